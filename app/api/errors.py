@@ -1,0 +1,158 @@
+"""OpenAI error bodies (`{"error": {message, type, param, code}}`) and exception handlers."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from app.api.protocol import ErrorInfo, ErrorResponse
+
+logger = logging.getLogger(__name__)
+
+INVALID_REQUEST = "invalid_request_error"
+SERVER_ERROR = "server_error"
+
+# Union members show up in pydantic error locations as type tags; they are not params.
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none", "literal"})
+
+
+class APIError(Exception):
+    """An error the client caused (or must retry), rendered as OpenAI's error body."""
+
+    def __init__(
+        self,
+        status_code: int,
+        message: str,
+        *,
+        type: str = INVALID_REQUEST,
+        param: str | None = None,
+        code: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = dict(headers or {})
+
+    def to_body(self) -> ErrorResponse:
+        return ErrorResponse(
+            error=ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)
+        )
+
+
+def invalid_request(message: str, *, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def model_not_found(model: str) -> APIError:
+    # NOTE: the same answer for a model that does not exist and one the caller may not
+    # use, so that nobody can probe for other tenants' adapters.
+    return APIError(
+        404,
+        f"The model `{model}` does not exist or you do not have access to it.",
+        param="model",
+        code="model_not_found",
+    )
+
+
+def overloaded(message: str, *, retry_after_s: int) -> APIError:
+    return APIError(
+        503,
+        message,
+        type=SERVER_ERROR,
+        code="overloaded",
+        headers={"Retry-After": str(retry_after_s)},
+    )
+
+
+def server_error() -> APIError:
+    return APIError(
+        500, "The server had an error while processing your request.", type=SERVER_ERROR
+    )
+
+
+def error_response(exc: APIError) -> JSONResponse:
+    return JSONResponse(
+        exc.to_body().model_dump(), status_code=exc.status_code, headers=exc.headers
+    )
+
+
+def loc_to_param(loc: Sequence[str | int]) -> str | None:
+    """('body', 'messages', 0, 'role') -> 'messages[0].role'."""
+    param = ""
+    for part in loc:
+        if isinstance(part, int):
+            param += f"[{part}]"
+        elif part == "body" and not param:
+            continue
+        elif not part.isidentifier() or part in _TYPE_TAGS or part[0].isupper():
+            # A union member's tag: what follows describes that member, not the field.
+            break
+        else:
+            param += f".{part}" if param else part
+    return param or None
+
+
+def validation_error(errors: Sequence[Mapping[str, Any]]) -> APIError:
+    """The first pydantic error of a request body as a 400 with its `param`."""
+    assert errors, "a validation error without errors"
+    first = errors[0]
+    kind = first.get("type", "")
+    loc = tuple(first.get("loc", ()))
+    if kind == "json_invalid":
+        detail = first.get("ctx", {}).get("error", "invalid JSON")
+        return invalid_request(
+            f"We could not parse the JSON body of your request ({detail}). "
+            "Send a JSON object with Content-Type: application/json."
+        )
+    param = loc_to_param(loc)
+    if param is None:
+        return invalid_request("The request body must be a JSON object.")
+    if kind == "missing":
+        return invalid_request(f"Missing required parameter: '{param}'.", param=param)
+    detail = first.get("msg", "invalid")
+    return invalid_request(f"Invalid value for '{param}': {detail}.", param=param)
+
+
+def _http_exception_error(request: Request, exc: StarletteHTTPException) -> APIError:
+    if exc.status_code == 404:
+        message = f"Invalid URL ({request.method} {request.url.path})."
+    elif exc.status_code == 405:
+        message = f"Method {request.method} is not allowed on {request.url.path}."
+    else:
+        message = str(exc.detail)
+    kind = SERVER_ERROR if exc.status_code >= 500 else INVALID_REQUEST
+    return APIError(exc.status_code, message, type=kind, headers=exc.headers)
+
+
+def install_exception_handlers(app: FastAPI) -> None:
+    async def on_api_error(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, APIError)
+        return error_response(exc)
+
+    async def on_validation_error(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestValidationError)
+        return error_response(validation_error(exc.errors()))
+
+    async def on_http_exception(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, StarletteHTTPException)
+        return error_response(_http_exception_error(request, exc))
+
+    app.add_exception_handler(APIError, on_api_error)
+    app.add_exception_handler(RequestValidationError, on_validation_error)
+    app.add_exception_handler(StarletteHTTPException, on_http_exception)
+
+
+def internal_error_body() -> bytes:
+    """Body of an unhandled exception's 500, written by the outermost middleware."""
+    return json.dumps(server_error().to_body().model_dump()).encode()

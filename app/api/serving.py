@@ -1,0 +1,345 @@
+"""From a parsed OpenAI request to engine work: checks, model, prompt, sampling params."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from fastapi import Request
+from pydantic import BaseModel, ValidationError
+
+from app.api.errors import APIError, invalid_request, model_not_found, overloaded, validation_error
+from app.api.protocol import ChatCompletionRequest, CompletionRequest, GenerationFields
+from app.api.state import AppState
+from engine.client import EngineClient
+from engine.request import SamplingParams
+
+BodyT = TypeVar("BodyT", bound=BaseModel)
+
+MAX_CHOICES = 16
+MAX_COMPLETION_LOGPROBS = 5
+MAX_CHAT_TOP_LOGPROBS = 20
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
+
+@dataclass(slots=True)
+class GenerationPlan:
+    """One HTTP generation request, ready for the engine (n choices = n engine requests)."""
+
+    response_id: str  # "cmpl-..." / "chatcmpl-..."; choice i runs as "<response_id>-<i>"
+    model: str  # as the client named it; echoed in every response
+    adapter_id: str | None  # None: the base model
+    prompt_token_ids: list[int]
+    sampling: list[SamplingParams]  # one per choice
+    priority: int  # lower = served first; requests can only raise it
+    stream: bool
+    include_usage: bool
+    created: int  # unix seconds, the `created` of every response object
+    arrival: float  # time.monotonic() when the request arrived
+
+    @property
+    def num_choices(self) -> int:
+        return len(self.sampling)
+
+    def engine_request_id(self, index: int) -> str:
+        return f"{self.response_id}-{index}"
+
+
+async def read_body(request: Request, model: type[BodyT]) -> BodyT:
+    """Parse the JSON body whatever its Content-Type.
+
+    NOTE: parsed here rather than as a FastAPI body parameter because clients such as
+    `curl -d` send JSON as form data, and every failure must become OpenAI's 400 body.
+    """
+    raw = await request.body()
+    try:
+        data = json.loads(raw) if raw else None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        detail = exc.msg if isinstance(exc, json.JSONDecodeError) else "not UTF-8"
+        error = {"type": "json_invalid", "loc": (), "ctx": {"error": detail}}
+        raise validation_error([error]) from exc
+    if not isinstance(data, dict):
+        raise invalid_request("The request body must be a JSON object.")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise validation_error(exc.errors()) from exc
+
+
+def new_response_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def check_admission(state: AppState, num_requests: int) -> None:
+    """Refuse new work while draining, starting, or when the engine's queue is full."""
+    retry_after_s = state.settings.retry_after_s
+    if state.draining:
+        raise overloaded(
+            "The server is shutting down; retry on another replica.", retry_after_s=retry_after_s
+        )
+    if not state.engine.is_ready():
+        raise overloaded(
+            "The engine is still starting; retry shortly.", retry_after_s=retry_after_s
+        )
+    num_waiting = state.engine.stats().num_waiting
+    if num_waiting + num_requests > state.settings.max_waiting_requests:
+        raise overloaded(
+            "The server is overloaded with other requests; retry after a short wait.",
+            retry_after_s=retry_after_s,
+        )
+
+
+def resolve_model(engine: EngineClient, model: str) -> str | None:
+    """The adapter id a `model` field names, None for the base model."""
+    if model == engine.model_id:
+        return None
+    raise model_not_found(model)
+
+
+def _check_range(
+    name: str,
+    value: float,
+    *,
+    lo: float | None = None,
+    hi: float | None = None,
+    lo_exclusive: bool = False,
+) -> None:
+    kind = "integer" if isinstance(value, int) else "decimal"
+    if lo is not None and (value <= lo if lo_exclusive else value < lo):
+        bound = f"greater than {lo}" if lo_exclusive else f"at least {lo}"
+        raise invalid_request(
+            f"Invalid '{name}': must be {bound}, got {value}.",
+            param=name,
+            code=f"{kind}_below_min_value",
+        )
+    if hi is not None and value > hi:
+        raise invalid_request(
+            f"Invalid '{name}': must be at most {hi}, got {value}.",
+            param=name,
+            code=f"{kind}_above_max_value",
+        )
+
+
+def _refuse_unsupported(param: str, message: str) -> APIError:
+    return invalid_request(message, param=param, code="unsupported_parameter")
+
+
+def _check_common(body: GenerationFields, max_stop: int) -> list[str]:
+    """Range checks shared by both routes; returns the stop strings."""
+    if body.logit_bias:
+        raise _refuse_unsupported("logit_bias", "'logit_bias' is not supported.")
+    if body.temperature is not None:
+        _check_range("temperature", body.temperature, lo=0, hi=2)
+    if body.top_p is not None:
+        _check_range("top_p", body.top_p, lo=0, hi=1, lo_exclusive=True)
+    if body.top_k is not None:
+        _check_range("top_k", body.top_k, lo=-1)
+    if body.n is not None:
+        _check_range("n", body.n, lo=1, hi=MAX_CHOICES)
+    if body.presence_penalty is not None:
+        _check_range("presence_penalty", body.presence_penalty, lo=-2, hi=2)
+    if body.frequency_penalty is not None:
+        _check_range("frequency_penalty", body.frequency_penalty, lo=-2, hi=2)
+    if body.repetition_penalty is not None:
+        _check_range("repetition_penalty", body.repetition_penalty, lo=0, lo_exclusive=True)
+    if body.priority is not None:
+        _check_range("priority", body.priority, lo=0)
+    if body.seed is not None:
+        _check_range("seed", body.seed, lo=_INT64_MIN, hi=_INT64_MAX - MAX_CHOICES)
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    if len(stop) > max_stop:
+        raise invalid_request(
+            f"Invalid 'stop': at most {max_stop} stop sequences are allowed, got {len(stop)}.",
+            param="stop",
+        )
+    # An empty stop string would end every completion before its first token.
+    return [s for s in stop if s]
+
+
+def _check_max_tokens(name: str, value: int | None) -> None:
+    if value is not None:
+        _check_range(name, value, lo=1)
+
+
+def _check_context(
+    engine: EngineClient, num_prompt_tokens: int, max_tokens: int | None, *, prompt_param: str,
+    max_tokens_param: str,
+) -> int:
+    """The max_tokens the engine gets: as asked, or all the context the prompt leaves."""
+    context = engine.max_model_len
+    if num_prompt_tokens >= context:
+        raise invalid_request(
+            f"This model's context holds {context} tokens, and the prompt alone has "
+            f"{num_prompt_tokens} tokens, leaving no room for a completion. "
+            "Shorten the prompt.",
+            param=prompt_param,
+            code="context_length_exceeded",
+        )
+    if max_tokens is None:
+        return context - num_prompt_tokens
+    if num_prompt_tokens + max_tokens > context:
+        raise invalid_request(
+            f"This model's context holds {context} tokens, but the prompt has "
+            f"{num_prompt_tokens} tokens and '{max_tokens_param}' asks for {max_tokens} more "
+            f"({num_prompt_tokens + max_tokens} in total). Shorten the prompt or lower "
+            f"'{max_tokens_param}'.",
+            param=max_tokens_param,
+            code="context_length_exceeded",
+        )
+    return max_tokens
+
+
+def _sampling_per_choice(
+    body: GenerationFields, *, max_tokens: int, stop: list[str], logprobs: int | None
+) -> list[SamplingParams]:
+    top_k = body.top_k if body.top_k is not None and body.top_k > 0 else 0
+    params = []
+    for i in range(body.n or 1):
+        params.append(
+            SamplingParams(
+                max_tokens=max_tokens,
+                temperature=1.0 if body.temperature is None else body.temperature,
+                top_p=1.0 if body.top_p is None else body.top_p,
+                top_k=top_k,
+                presence_penalty=body.presence_penalty or 0.0,
+                frequency_penalty=body.frequency_penalty or 0.0,
+                repetition_penalty=(
+                    1.0 if body.repetition_penalty is None else body.repetition_penalty
+                ),
+                # Distinct seeds so that n seeded choices differ yet stay reproducible.
+                seed=None if body.seed is None else body.seed + i,
+                stop=list(stop),
+                ignore_eos=bool(body.ignore_eos),
+                logprobs=logprobs,
+            )
+        )
+    return params
+
+
+def _completion_prompt(engine: EngineClient, prompt: Any) -> list[int]:
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) > 1:
+            raise invalid_request(
+                "Only one prompt per request is supported; send one request per prompt.",
+                param="prompt",
+            )
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise invalid_request("'prompt' must not be empty.", param="prompt")
+        token_ids = engine.encode(prompt)
+    else:
+        token_ids = list(prompt)
+        if any(t < 0 for t in token_ids):
+            raise invalid_request("Token ids in 'prompt' must be non-negative.", param="prompt")
+    if not token_ids:
+        raise invalid_request("'prompt' must not be empty.", param="prompt")
+    return token_ids
+
+
+def plan_completion(state: AppState, body: CompletionRequest) -> GenerationPlan:
+    arrival = time.monotonic()
+    if body.echo:
+        raise _refuse_unsupported("echo", "'echo' is not supported.")
+    if body.suffix:
+        raise _refuse_unsupported("suffix", "'suffix' is not supported.")
+    if body.best_of is not None and body.best_of != (body.n or 1):
+        raise _refuse_unsupported("best_of", "'best_of' other than 'n' is not supported.")
+    stop = _check_common(body, state.settings.max_stop_sequences)
+    _check_max_tokens("max_tokens", body.max_tokens)
+    if body.logprobs is not None:
+        _check_range("logprobs", body.logprobs, lo=0, hi=MAX_COMPLETION_LOGPROBS)
+    adapter_id = resolve_model(state.engine, body.model)
+    prompt_token_ids = _completion_prompt(state.engine, body.prompt)
+    max_tokens = _check_context(
+        state.engine, len(prompt_token_ids), body.max_tokens,
+        prompt_param="prompt", max_tokens_param="max_tokens",
+    )
+    return GenerationPlan(
+        response_id=new_response_id("cmpl"),
+        model=body.model,
+        adapter_id=adapter_id,
+        prompt_token_ids=prompt_token_ids,
+        sampling=_sampling_per_choice(
+            body, max_tokens=max_tokens, stop=stop, logprobs=body.logprobs
+        ),
+        priority=body.priority or 0,
+        stream=bool(body.stream),
+        include_usage=body.include_usage,
+        created=int(time.time()),
+        arrival=arrival,
+    )
+
+
+def _chat_messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
+    if not body.messages:
+        raise invalid_request("'messages' must contain at least one message.", param="messages")
+    messages: list[dict[str, Any]] = []
+    for i, message in enumerate(body.messages):
+        content = message.content
+        if isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                if part.type != "text" or part.text is None:
+                    raise invalid_request(
+                        f"Only text content parts are supported, got type '{part.type}'.",
+                        param=f"messages[{i}].content[{j}]",
+                    )
+                texts.append(part.text)
+            content = "\n".join(texts)
+        # "developer" is OpenAI's newer name for the system role.
+        role = "system" if message.role == "developer" else message.role
+        messages.append({"role": role, "content": content or ""})
+    return messages
+
+
+def plan_chat(state: AppState, body: ChatCompletionRequest) -> GenerationPlan:
+    arrival = time.monotonic()
+    if body.tools or body.functions:
+        param = "tools" if body.tools else "functions"
+        raise _refuse_unsupported(param, f"'{param}' (function calling) is not supported.")
+    if body.response_format and body.response_format.get("type", "text") != "text":
+        raise _refuse_unsupported(
+            "response_format", "Only the 'text' response format is supported."
+        )
+    stop = _check_common(body, state.settings.max_stop_sequences)
+    # max_completion_tokens is the newer name; it wins when both are sent.
+    requested_max_tokens: int | None
+    if body.max_completion_tokens is not None:
+        max_tokens_param, requested_max_tokens = "max_completion_tokens", body.max_completion_tokens
+    else:
+        max_tokens_param, requested_max_tokens = "max_tokens", body.max_tokens
+    _check_max_tokens(max_tokens_param, requested_max_tokens)
+    if body.top_logprobs is not None:
+        if not body.logprobs:
+            raise invalid_request(
+                "'top_logprobs' requires 'logprobs' to be true.", param="top_logprobs"
+            )
+        _check_range("top_logprobs", body.top_logprobs, lo=0, hi=MAX_CHAT_TOP_LOGPROBS)
+    messages = _chat_messages(body)
+    adapter_id = resolve_model(state.engine, body.model)
+    try:
+        prompt_token_ids = state.engine.apply_chat_template(messages)
+    except ValueError as exc:
+        message = f"Could not apply the chat template: {exc}"
+        raise invalid_request(message, param="messages") from exc
+    max_tokens = _check_context(
+        state.engine, len(prompt_token_ids), requested_max_tokens,
+        prompt_param="messages", max_tokens_param=max_tokens_param,
+    )
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    return GenerationPlan(
+        response_id=new_response_id("chatcmpl"),
+        model=body.model,
+        adapter_id=adapter_id,
+        prompt_token_ids=prompt_token_ids,
+        sampling=_sampling_per_choice(body, max_tokens=max_tokens, stop=stop, logprobs=logprobs),
+        priority=body.priority or 0,
+        stream=bool(body.stream),
+        include_usage=body.include_usage,
+        created=int(time.time()),
+        arrival=arrival,
+    )

@@ -1,0 +1,251 @@
+"""The `loraplex` command line."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import click
+import uvicorn
+from fastapi import FastAPI
+from pydantic import ValidationError
+
+from app.core.config import Settings, is_loopback_host
+from app.main import begin_drain, create_app
+from engine.client import EngineClient
+from engine.config import EngineConfig
+
+logger = logging.getLogger("loraplex")
+
+_EXIT_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn, plus: on SIGTERM/SIGINT the app starts draining before the socket closes.
+
+    uvicorn then stops accepting, waits up to `timeout_graceful_shutdown` for in-flight
+    requests and cancels the rest; a cancelled request closes its engine stream, which
+    aborts it in the engine.
+    """
+
+    def __init__(self, app: FastAPI, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self._app = app
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        begin_drain(self._app)
+        super().handle_exit(sig, frame)
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        # NOTE: uvicorn re-raises a caught signal once it has shut down, which would kill
+        # the process before the engine shuts down, with a non-zero status. SIGTERM is the
+        # normal way to stop a replica: it ends in a clean exit 0 instead.
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in _EXIT_SIGNALS}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+async def serve_app(app: FastAPI, engine: EngineClient, settings: Settings) -> None:
+    """Serve until SIGTERM/SIGINT, drain, then shut the engine down."""
+    server = DrainingServer(
+        app,
+        uvicorn.Config(
+            app,
+            host=settings.host,
+            port=settings.port,
+            timeout_graceful_shutdown=settings.drain_timeout_s,  # type: ignore[arg-type]
+            log_level="info",
+        ),
+    )
+    try:
+        await server.serve()
+    finally:
+        await engine.shutdown()
+
+
+async def serve_engine(
+    config: EngineConfig,
+    settings: Settings,
+    *,
+    on_ready: Callable[[EngineClient, Settings], None] | None = None,
+) -> None:
+    """Load the engine in this process and serve it."""
+    from engine.async_engine import AsyncEngine  # imports torch: only when serving
+
+    engine = AsyncEngine(config)
+    logger.info("loading model %s", config.model)
+    await engine.start()
+    try:
+        app = create_app(engine, settings)
+        if on_ready is not None:
+            on_ready(engine, settings)
+    except BaseException:
+        await engine.shutdown()
+        raise
+    await serve_app(app, engine, settings)
+
+
+def _parse_loras(
+    ctx: click.Context, param: click.Parameter, values: tuple[str, ...]
+) -> dict[str, Path]:
+    loras: dict[str, Path] = {}
+    for value in values:
+        name, sep, path = value.partition("=")
+        if not sep or not name or not path:
+            raise click.BadParameter(f"expected NAME=PATH, got {value!r}", ctx, param)
+        if name in loras:
+            raise click.BadParameter(f"adapter name {name!r} given twice", ctx, param)
+        directory = Path(path)
+        if not (directory / "adapter_config.json").is_file():
+            raise click.BadParameter(
+                f"{path!r} is not a PEFT adapter directory (no adapter_config.json)", ctx, param
+            )
+        loras[name] = directory
+    return loras
+
+
+def _engine_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    options = [
+        click.option("--model", default="default", show_default=True,
+                     help="'default' (bundled SmolLM2-135M-Instruct) or a local HF directory."),
+        click.option("--device", default="auto", show_default=True,
+                     help="auto | cpu | cuda | cuda:N"),
+        click.option("--dtype", default="auto", show_default=True,
+                     type=click.Choice(["auto", "float32", "bfloat16", "float16"])),
+        click.option("--max-loras", default=8, show_default=True, type=click.IntRange(min=1),
+                     help="Adapters resident on the device at once."),
+        click.option("--max-cpu-loras", default=64, show_default=True,
+                     type=click.IntRange(min=1), help="Adapters kept in host memory."),
+        click.option("--max-lora-rank", default=64, show_default=True,
+                     type=click.IntRange(min=1)),
+        click.option("--max-num-seqs", default=64, show_default=True,
+                     type=click.IntRange(min=1), help="Sequences per engine step."),
+        click.option("--max-num-batched-tokens", default=2048, show_default=True,
+                     type=click.IntRange(min=1), help="Tokens per engine step."),
+        click.option("--kv-cache-tokens", default=None, type=click.IntRange(min=1),
+                     help="KV cache capacity in tokens (default: sized from the device)."),
+        click.option("--block-size", default=16, show_default=True, type=click.IntRange(min=1)),
+        click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=True,
+                     show_default=True),
+    ]
+    for option in reversed(options):
+        func = option(func)
+    return func
+
+
+def _engine_config(**kwargs: Any) -> EngineConfig:
+    try:
+        return EngineConfig(**kwargs)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
+
+
+def _settings(**overrides: Any) -> Settings:
+    try:
+        return Settings(**{k: v for k, v in overrides.items() if v is not None})
+    except ValidationError as exc:
+        messages = "; ".join(e["msg"].removeprefix("Value error, ") for e in exc.errors())
+        raise click.UsageError(messages) from exc
+
+
+def _setup_logging() -> None:
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+
+
+@click.group()
+@click.version_option(package_name="loraplex")
+def main() -> None:
+    """loraplex: one base model, many LoRA adapters, an OpenAI-compatible API."""
+
+
+@main.command()
+@click.option("--host", default=None, help="Address to bind [default: 127.0.0.1].")
+@click.option("--port", default=None, type=click.IntRange(0, 65535),
+              help="Port to bind [default: 8000].")
+@click.option("--lora", "loras", multiple=True, callback=_parse_loras, metavar="NAME=PATH",
+              help="Preload a PEFT adapter directory, visible to every tenant (repeatable).")
+@click.option("--no-auth", is_flag=True, help="Serve without API keys (loopback addresses only).")
+@_engine_options
+def serve(
+    host: str | None, port: int | None, loras: dict[str, Path], no_auth: bool, **engine: Any
+) -> None:
+    """Serve the OpenAI-compatible API with the engine in this process."""
+    bind = host or _settings().host
+    if not no_auth:
+        raise click.ClickException(
+            "API keys arrive with the tenant registry, which this build does not have yet; "
+            "run with --no-auth to serve without keys on a loopback address."
+        )
+    if not is_loopback_host(bind):
+        raise click.UsageError(
+            f"--no-auth serves without API keys and only binds a loopback address "
+            f"(127.0.0.1, ::1, localhost), not {bind!r}."
+        )
+    settings = _settings(host=host, port=port, no_auth=True, preload_loras=loras)
+    config = _engine_config(**engine)
+    _setup_logging()
+    asyncio.run(serve_engine(config, settings))
+
+
+def _print_try_it(engine: EngineClient, settings: Settings) -> None:
+    base = f"http://{settings.host}:{settings.port}"
+    model = engine.model_id
+    click.echo(
+        f"""
+loraplex demo: {model} on {base} (no API key needed)
+
+  curl {base}/v1/chat/completions -H 'Content-Type: application/json' \\
+    -d '{{"model": "{model}", "max_tokens": 32,
+         "messages": [{{"role": "user", "content": "Say hi"}}]}}'
+
+  curl -N {base}/v1/completions -H 'Content-Type: application/json' \\
+    -d '{{"model": "{model}", "max_tokens": 16, "stream": true,
+         "prompt": "The capital of France is"}}'
+
+  python -c 'import openai; c = openai.OpenAI(base_url="{base}/v1", api_key="none"); \\
+print(c.chat.completions.create(model="{model}", \\
+messages=[{{"role": "user", "content": "Say hi"}}], max_tokens=32).choices[0].message.content)'
+
+  {base}/metrics    {base}/ready    {base}/docs
+"""
+    )
+
+
+@main.command()
+@click.option("--port", default=None, type=click.IntRange(0, 65535),
+              help="Port to bind [default: 8000].")
+def demo(port: int | None) -> None:
+    """Serve the bundled model on 127.0.0.1 without keys and print what to try."""
+    settings = _settings(host="127.0.0.1", port=port, no_auth=True)
+    config = EngineConfig()
+    _setup_logging()
+    asyncio.run(serve_engine(config, settings, on_ready=_print_try_it))
+
+
+
+def _register_subcommands() -> None:
+    from bench.cli import bench
+
+    main.add_command(bench)
+
+
+_register_subcommands()
+
+if __name__ == "__main__":
+    main()

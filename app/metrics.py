@@ -1,0 +1,134 @@
+"""Prometheus metrics: one registry per app, so several apps (tests) never share series."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from engine.client import EngineClient
+
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+_E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+
+# Label values of routes; anything else is "other" so that scanners cannot blow up
+# the number of series.
+KNOWN_ROUTES = frozenset(
+    {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/ready", "/metrics"}
+)
+
+
+class _EngineCollector(Collector):
+    """Reads the engine's counters at scrape time instead of mirroring them."""
+
+    def __init__(self, engine: EngineClient) -> None:
+        self._engine = engine
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._engine.stats()
+        yield GaugeMetricFamily(
+            "loraplex_num_requests_running",
+            "Requests the engine is running (holding KV blocks).",
+            value=stats.num_running,
+        )
+        yield GaugeMetricFamily(
+            "loraplex_num_requests_waiting",
+            "Requests waiting in the engine's queue.",
+            value=stats.num_waiting,
+        )
+        yield GaugeMetricFamily(
+            "loraplex_kv_cache_usage_ratio",
+            "Fraction of KV cache blocks in use (0..1).",
+            value=stats.kv_usage,
+        )
+        yield GaugeMetricFamily(
+            "loraplex_kv_cache_free_blocks", "Free KV cache blocks.", value=stats.num_free_blocks
+        )
+        yield CounterMetricFamily(
+            "loraplex_num_preemptions",
+            "Requests preempted for lack of KV blocks.",
+            value=stats.num_preemptions,
+        )
+        yield CounterMetricFamily(
+            "loraplex_prefix_cache_hits",
+            "Prompt tokens served from the prefix cache.",
+            value=stats.prefix_cache_hits,
+        )
+        yield CounterMetricFamily(
+            "loraplex_prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache.",
+            value=stats.prefix_cache_queries,
+        )
+
+
+class Metrics:
+    def __init__(self, engine: EngineClient) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(_EngineCollector(engine))
+        self.http_requests = Counter(
+            "loraplex_http_requests",
+            "HTTP requests by route and status code.",
+            ["route", "status"],
+            registry=self.registry,
+        )
+        self.requests_finished = Counter(
+            "loraplex_requests_finished",
+            "Engine requests (one per choice) by finish reason.",
+            ["finish_reason"],
+            registry=self.registry,
+        )
+        self.prompt_tokens = Counter(
+            "loraplex_prompt_tokens", "Prompt tokens of engine requests.", registry=self.registry
+        )
+        self.generation_tokens = Counter(
+            "loraplex_generation_tokens", "Generated tokens.", registry=self.registry
+        )
+        self.time_to_first_token = Histogram(
+            "loraplex_time_to_first_token_seconds",
+            "Time from the request's arrival to its first generated token.",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.time_per_output_token = Histogram(
+            "loraplex_time_per_output_token_seconds",
+            "Mean time between generated tokens after the first, per request.",
+            buckets=_TPOT_BUCKETS,
+            registry=self.registry,
+        )
+        self.e2e_latency = Histogram(
+            "loraplex_e2e_request_latency_seconds",
+            "Time from the request's arrival to its last token.",
+            buckets=_E2E_BUCKETS,
+            registry=self.registry,
+        )
+
+    def observe_http(self, path: str, status: int) -> None:
+        route = path if path in KNOWN_ROUTES else "other"
+        self.http_requests.labels(route=route, status=str(status)).inc()
+
+    def observe_request(
+        self,
+        *,
+        arrival: float,
+        first_token: float | None,
+        finished: float,
+        num_prompt_tokens: int,
+        num_output_tokens: int,
+        finish_reason: str,
+    ) -> None:
+        """One engine request (one choice) is over; times are `time.monotonic()` values."""
+        self.requests_finished.labels(finish_reason=finish_reason).inc()
+        self.prompt_tokens.inc(num_prompt_tokens)
+        self.generation_tokens.inc(num_output_tokens)
+        if first_token is None:
+            return
+        self.time_to_first_token.observe(first_token - arrival)
+        self.e2e_latency.observe(finished - arrival)
+        if num_output_tokens > 1:
+            self.time_per_output_token.observe((finished - first_token) / (num_output_tokens - 1))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,62 @@
+"""`loraplex bench ...`: the benchmarks, as click commands."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+
+@click.group("bench")
+def bench() -> None:
+    """Run the benchmarks in bench/ (figures go to docs/BENCHMARKS.md)."""
+
+
+def _range(value: str) -> tuple[int, int]:
+    low, _, high = value.partition("-")
+    return int(low), int(high or low)
+
+
+@bench.command("throughput")
+@click.option("--model", default="default", show_default=True)
+@click.option("--num-requests", default=32, show_default=True)
+@click.option("--concurrency", default=32, show_default=True)
+@click.option("--prompt-len", default="20-400", show_default=True, help="min-max tokens")
+@click.option("--output-len", default="16-128", show_default=True, help="min-max tokens")
+@click.option("--seed", default=0, show_default=True)
+@click.option("--hf-batch-size", default=8, show_default=True)
+@click.option("--hf-single-requests", default=4, show_default=True)
+@click.option("--skip-hf", is_flag=True, help="engine only, no baseline")
+@click.option("--serve-arg", "serve_args", multiple=True, help="extra flag for `serve`")
+@click.option("--output", type=click.Path(path_type=Path), default=None)
+def throughput(
+    model: str,
+    num_requests: int,
+    concurrency: int,
+    prompt_len: str,
+    output_len: str,
+    seed: int,
+    hf_batch_size: int,
+    hf_single_requests: int,
+    skip_hf: bool,
+    serve_args: tuple[str, ...],
+    output: Path | None,
+) -> None:
+    """N concurrent streams through the server vs HF generate on the same requests."""
+    from bench.throughput import ThroughputOptions, run_throughput
+
+    run_throughput(
+        ThroughputOptions(
+            model=model,
+            num_requests=num_requests,
+            concurrency=concurrency,
+            prompt_len=_range(prompt_len),
+            output_len=_range(output_len),
+            seed=seed,
+            hf_batch_size=hf_batch_size,
+            hf_single_requests=hf_single_requests,
+            skip_hf=skip_hf,
+            serve_args=[a for arg in serve_args for a in arg.split()],
+            output=output,
+        )
+    )

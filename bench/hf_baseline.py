@@ -1,0 +1,91 @@
+"""Hugging Face `generate` on the same requests: the baseline every engine figure is divided by."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from bench.workload import BenchRequest
+
+
+@dataclass(slots=True)
+class HFResult:
+    mode: str
+    num_requests: int
+    output_tokens: int
+    wall_s: float
+
+    @property
+    def output_tokens_per_s(self) -> float:
+        return self.output_tokens / self.wall_s
+
+    def summary(self) -> dict[str, float | str]:
+        return {
+            "mode": self.mode,
+            "requests": self.num_requests,
+            "output_tokens": self.output_tokens,
+            "wall_s": round(self.wall_s, 3),
+            "output_tokens_per_s": round(self.output_tokens_per_s, 2),
+        }
+
+
+def load_hf_model(model_dir: Path) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.eval()
+    return model
+
+
+def _greedy_kwargs(model: torch.nn.Module, max_new_tokens: int) -> dict[str, object]:
+    # min_new_tokens == max_new_tokens: same output lengths as the engine's ignore_eos.
+    pad = model.config.pad_token_id
+    if pad is None:
+        pad = model.config.eos_token_id
+    return {
+        "do_sample": False,
+        "max_new_tokens": max_new_tokens,
+        "min_new_tokens": max_new_tokens,
+        "pad_token_id": pad,
+    }
+
+
+@torch.inference_mode()
+def run_one_at_a_time(model: torch.nn.Module, requests: list[BenchRequest]) -> HFResult:
+    start = time.perf_counter()
+    tokens = 0
+    for r in requests:
+        ids = torch.tensor([r.prompt_token_ids])
+        out = model.generate(
+            input_ids=ids, attention_mask=torch.ones_like(ids), **_greedy_kwargs(model, r.max_tokens)
+        )
+        tokens += out.shape[1] - ids.shape[1]
+    return HFResult("hf_one_at_a_time", len(requests), tokens, time.perf_counter() - start)
+
+
+@torch.inference_mode()
+def run_static_batches(
+    model: torch.nn.Module, requests: list[BenchRequest], batch_size: int
+) -> HFResult:
+    """Left-padded static batches; a batch runs until its longest request is done.
+
+    Only each request's own max_tokens count as delivered output.
+    """
+    start = time.perf_counter()
+    tokens = 0
+    for i in range(0, len(requests), batch_size):
+        batch = requests[i : i + batch_size]
+        width = max(len(r.prompt_token_ids) for r in batch)
+        ids = torch.zeros(len(batch), width, dtype=torch.long)
+        mask = torch.zeros(len(batch), width, dtype=torch.long)
+        for row, r in enumerate(batch):
+            n = len(r.prompt_token_ids)
+            ids[row, width - n :] = torch.tensor(r.prompt_token_ids)
+            mask[row, width - n :] = 1
+        longest = max(r.max_tokens for r in batch)
+        model.generate(input_ids=ids, attention_mask=mask, **_greedy_kwargs(model, longest))
+        tokens += sum(r.max_tokens for r in batch)
+    return HFResult(f"hf_static_batch_{batch_size}", len(requests), tokens, time.perf_counter() - start)

@@ -1,0 +1,110 @@
+"""`loraplex bench throughput`: the engine behind the HTTP server against HF `generate`.
+
+Same requests, same machine, same run: engine output tokens/s over N concurrent
+streams, TTFT p50/p99, TPOT p50; then Hugging Face `generate` one request at a time
+and in static batches; the ratios are what `docs/BENCHMARKS.md` records.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import platform
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from bench.hf_baseline import load_hf_model, run_one_at_a_time, run_static_batches
+from bench.server import running_server
+from bench.workload import BenchRequest, make_requests, run_load
+from engine.config import default_data_dir
+from engine.model_loader import load_model_config, resolve_model
+
+
+@dataclass(slots=True)
+class ThroughputOptions:
+    model: str = "default"
+    num_requests: int = 32
+    concurrency: int = 32
+    prompt_len: tuple[int, int] = (20, 400)
+    output_len: tuple[int, int] = (16, 128)
+    seed: int = 0
+    hf_batch_size: int = 8
+    hf_single_requests: int = 4  # one-at-a-time is slow: a prefix of the requests
+    skip_hf: bool = False
+    serve_args: list[str] = field(default_factory=list)
+    output: Path | None = None
+
+
+def run_throughput(opts: ThroughputOptions) -> dict[str, object]:
+    model_dir = resolve_model(opts.model, default_data_dir())
+    vocab = load_model_config(model_dir).vocab_size
+    requests = make_requests(
+        opts.num_requests,
+        vocab_size=vocab,
+        prompt_len=opts.prompt_len,
+        output_len=opts.output_len,
+        seed=opts.seed,
+    )
+    report: dict[str, object] = {
+        "benchmark": "throughput",
+        "machine": machine_description(),
+        "options": {
+            "model": opts.model,
+            "num_requests": opts.num_requests,
+            "concurrency": opts.concurrency,
+            "prompt_len": list(opts.prompt_len),
+            "output_len": list(opts.output_len),
+            "seed": opts.seed,
+            "serve_args": opts.serve_args,
+        },
+        "started_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+    with running_server(["--model", opts.model, *opts.serve_args]) as base_url:
+        warm = [BenchRequest(prompt_token_ids=requests[0].prompt_token_ids[:32], max_tokens=4)]
+        asyncio.run(run_load(base_url, model_name(base_url), warm, 1))
+        engine = asyncio.run(run_load(base_url, model_name(base_url), requests, opts.concurrency))
+    report["engine"] = engine.summary()
+    print_row("engine", report["engine"])
+
+    if not opts.skip_hf:
+        hf_model = load_hf_model(model_dir)
+        run_one_at_a_time(hf_model, [BenchRequest(requests[0].prompt_token_ids[:16], 2)])
+        single = run_one_at_a_time(hf_model, requests[: opts.hf_single_requests])
+        report["hf_one_at_a_time"] = single.summary()
+        print_row("hf one-at-a-time", report["hf_one_at_a_time"])
+        static = run_static_batches(hf_model, requests, opts.hf_batch_size)
+        report["hf_static_batches"] = static.summary()
+        print_row(f"hf static x{opts.hf_batch_size}", report["hf_static_batches"])
+        report["ratios"] = {
+            "engine_vs_hf_static": round(
+                engine.output_tokens_per_s / static.output_tokens_per_s, 2
+            ),
+            "engine_vs_hf_one_at_a_time": round(
+                engine.output_tokens_per_s / single.output_tokens_per_s, 2
+            ),
+        }
+        print("ratios:", json.dumps(report["ratios"]))
+    if opts.output is not None:
+        opts.output.parent.mkdir(parents=True, exist_ok=True)
+        opts.output.write_text(json.dumps(report, indent=2))
+    return report
+
+
+def model_name(base_url: str) -> str:
+    import httpx
+
+    return str(httpx.get(f"{base_url}/v1/models", timeout=10).json()["data"][0]["id"])
+
+
+def machine_description() -> str:
+    return (
+        f"{platform.machine()} {platform.processor() or ''} cores={torch.get_num_threads()} "
+        f"torch={torch.__version__} python={platform.python_version()}"
+    ).strip()
+
+
+def print_row(label: str, row: object) -> None:
+    print(f"{label:>20}: {json.dumps(row)}", flush=True)

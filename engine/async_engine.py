@@ -1,0 +1,256 @@
+"""AsyncEngine: the engine core stepped by a background thread, streamed to asyncio callers."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from engine.client import EngineStats
+from engine.config import EngineConfig
+from engine.engine_core import EngineCore
+from engine.request import Request, RequestOutput, SamplingParams
+
+log = logging.getLogger("loraplex.engine")
+
+
+class EngineDeadError(RuntimeError):
+    """The step loop failed; requests in flight end with this error."""
+
+
+@dataclass(slots=True)
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[RequestOutput | BaseException] = field(default_factory=asyncio.Queue)
+    finished: bool = False
+
+
+class AsyncEngine:
+    """Thread-safe front of `EngineCore`.
+
+    NOTE: the core is touched only by the step thread. Callers hand it adds and aborts
+    through `_pending_*` under a lock; outputs go back to each caller's event loop with
+    one `call_soon_threadsafe` per step and loop.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self._core: EngineCore | None = None
+        self._lock = threading.Condition()
+        self._pending_adds: list[Request] = []
+        self._pending_aborts: list[str] = []
+        self._streams: dict[str, _Stream] = {}
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._error: BaseException | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._core = await asyncio.to_thread(EngineCore, self.config)
+        self.start_loop()
+
+    def start_sync(self) -> None:
+        """Load the model and start the step thread from synchronous code."""
+        self._core = EngineCore(self.config)
+        self.start_loop()
+
+    def start_loop(self) -> None:
+        assert self._core is not None
+        self._thread = threading.Thread(target=self._run, name="loraplex-engine", daemon=True)
+        self._thread.start()
+
+    async def shutdown(self) -> None:
+        with self._lock:
+            self._stopping = True
+            self._lock.notify_all()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 30.0)
+        self._fail_all(EngineDeadError("engine shut down"))
+
+    @property
+    def core(self) -> EngineCore:
+        assert self._core is not None, "engine not started"
+        return self._core
+
+    # -- EngineClient ------------------------------------------------------------------
+
+    @property
+    def model_id(self) -> str:
+        return model_id_for(self.config.model, self.core.model_dir)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.core.max_model_len
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.core.tokenizer(text).input_ids)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
+        tokenizer = self.core.tokenizer
+        rendered = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False
+        )
+        # NOTE: templates write their own special tokens (BOS included) into the text.
+        return list(tokenizer(rendered, add_special_tokens=False).input_ids)
+
+    def token_text(self, token_id: int) -> str:
+        return self.core.token_text(token_id)
+
+    def is_ready(self) -> bool:
+        return (
+            self._core is not None
+            and self._thread is not None
+            and self._thread.is_alive()
+            and self._error is None
+            and not self._stopping
+        )
+
+    def stats(self) -> EngineStats:
+        core = self.core
+        bm = core.block_manager
+        return EngineStats(
+            num_running=core.scheduler.num_running,
+            num_waiting=core.scheduler.num_waiting,
+            num_free_blocks=bm.num_free_blocks,
+            num_total_blocks=core.runner.num_blocks,
+            kv_usage=bm.usage,
+            num_preemptions=core.scheduler.num_preemptions,
+            prefix_cache_hits=bm.prefix_cache_hits,
+            prefix_cache_queries=bm.prefix_cache_queries,
+        )
+
+    def check_request(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        self.core.check_request(num_prompt_tokens, max_tokens)
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        *,
+        adapter_id: str | None = None,
+        salt: str | None = None,
+        priority: int = 0,
+    ) -> AsyncIterator[RequestOutput]:
+        if self._error is not None:
+            raise EngineDeadError(f"engine failed: {self._error}")
+        if self._stopping:
+            raise EngineDeadError("engine is shutting down")
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            sampling=sampling,
+            adapter_id=adapter_id,
+            salt=salt,
+            priority=priority,
+        )
+        # Reject up front, in the caller's thread, what the core would refuse.
+        self.core.check_request(request.num_prompt_tokens, sampling.max_tokens)
+        stream = _Stream(loop=asyncio.get_running_loop())
+        with self._lock:
+            if request_id in self._streams:
+                raise ValueError(f"duplicate request id {request_id!r}")
+            self._streams[request_id] = stream
+            self._pending_adds.append(request)
+            self._lock.notify_all()
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    return
+        finally:
+            if not stream.finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            stream = self._streams.pop(request_id, None)
+            if stream is not None:
+                stream.finished = True
+            self._pending_aborts.append(request_id)
+            self._lock.notify_all()
+
+    # -- step thread -------------------------------------------------------------------
+
+    def _run(self) -> None:
+        core = self.core
+        try:
+            while True:
+                with self._lock:
+                    while (
+                        not self._stopping
+                        and not self._pending_adds
+                        and not self._pending_aborts
+                        and not core.has_unfinished_requests()
+                    ):
+                        self._lock.wait()
+                    if self._stopping:
+                        return
+                    adds, self._pending_adds = self._pending_adds, []
+                    aborts, self._pending_aborts = self._pending_aborts, []
+                for request_id in aborts:
+                    core.abort_request(request_id)
+                for request in adds:
+                    if request.request_id in aborts:
+                        continue
+                    try:
+                        core.add_request(request)
+                    except ValueError as exc:
+                        self._deliver([], {request.request_id: exc})
+                outputs = core.step()
+                if outputs:
+                    self._deliver(outputs, {})
+        except BaseException as exc:  # noqa: BLE001 - the loop must report any failure
+            log.exception("engine step loop failed")
+            self._error = exc
+            self._fail_all(EngineDeadError(f"engine failed: {exc}"))
+
+    def _deliver(self, outputs: list[RequestOutput], errors: dict[str, BaseException]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, Any]]] = {}
+        with self._lock:
+            for out in outputs:
+                stream = self._streams.get(out.request_id)
+                if stream is None:
+                    continue
+                if out.finished:
+                    stream.finished = True
+                    del self._streams[out.request_id]
+                by_loop.setdefault(stream.loop, []).append((stream, out))
+            for request_id, exc in errors.items():
+                stream = self._streams.pop(request_id, None)
+                if stream is not None:
+                    stream.finished = True
+                    by_loop.setdefault(stream.loop, []).append((stream, exc))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:
+                pass  # that caller's loop is closed: nobody is listening
+
+    def _fail_all(self, exc: BaseException) -> None:
+        with self._lock:
+            streams = list(self._streams.items())
+            self._streams.clear()
+        for _, stream in streams:
+            stream.finished = True
+            try:
+                stream.loop.call_soon_threadsafe(_put_all, [(stream, exc)])
+            except RuntimeError:
+                pass
+
+
+def _put_all(items: list[tuple[_Stream, Any]]) -> None:
+    for stream, item in items:
+        stream.queue.put_nowait(item)
+
+
+def model_id_for(model: str, model_dir: Path) -> str:
+    return model_dir.name if model == "default" else Path(model).name

@@ -1,0 +1,221 @@
+"""Owns the model, its KV cache and tokenizer; turns a SchedulerOutput into logits."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.attention import AttentionMetadata, LayerKVCache, PrefillSequence, allocate_kv_cache
+from engine.config import EngineConfig
+from engine.model_loader import (
+    ModelConfig,
+    iter_safetensors,
+    load_tokenizer,
+    validate_model_dir,
+)
+from engine.models.llama import LlamaForCausalLM
+from engine.request import ScheduledChunk, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+# NOTE: on CPU the default cache holds enough tokens for max_num_seqs sequences of
+# max_model_len, capped at this many tokens (SmolLM2: 46 KiB per token, so 3 GiB).
+# torch.zeros pages memory in lazily, so an idle cache costs little.
+CPU_DEFAULT_KV_CACHE_TOKENS = 65536
+# On CUDA, the share of the memory still free after loading weights that the cache takes.
+CUDA_KV_CACHE_MEMORY_FRACTION = 0.8
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device_dtype(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
+    """`auto` device: CUDA if available else CPU; `auto` dtype: bf16 on CUDA, float32 on CPU."""
+    if device == "auto":
+        dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        try:
+            dev = torch.device(device)
+        except RuntimeError as e:
+            raise ValueError(f"unknown device {device!r}") from e
+        if dev.type not in ("cpu", "cuda"):
+            raise ValueError(f"unsupported device {device!r} (cpu, cuda, cuda:N or auto)")
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {device!r} requested but CUDA is not available")
+    if dtype == "auto":
+        return dev, torch.bfloat16 if dev.type == "cuda" else torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r} (auto, {', '.join(_DTYPES)})")
+    return dev, _DTYPES[dtype]
+
+
+@dataclass(slots=True)
+class StepInputs:
+    input_ids: torch.Tensor  # [T] long
+    positions: torch.Tensor  # [T] long
+    metadata: AttentionMetadata
+    sample_indices: torch.Tensor  # [S] long: rows of the last token of each sampling chunk
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_dir: Path) -> None:
+        self.config = config
+        self.model_dir = Path(model_dir)
+        self.model_config: ModelConfig = validate_model_dir(self.model_dir)
+        self.device, self.dtype = resolve_device_dtype(config.device, config.dtype)
+        if self.device.type == "cpu":
+            torch.set_num_threads(config.num_threads or len(os.sched_getaffinity(0)))
+        self.block_size = config.block_size
+        self.tokenizer: Any = load_tokenizer(self.model_dir)
+
+        model_len = self.model_config.max_model_len
+        if config.max_model_len is not None and config.max_model_len > model_len:
+            logger.warning(
+                "max_model_len %d exceeds the model's %d; using %d",
+                config.max_model_len,
+                model_len,
+                model_len,
+            )
+        max_model_len = min(config.max_model_len or model_len, model_len)
+
+        self.model = LlamaForCausalLM(
+            self.model_config, max_positions=max_model_len, device=self.device, dtype=self.dtype
+        )
+        self.model.load_weights(iter_safetensors(self.model_dir))
+        self.model.eval()
+
+        mc = self.model_config
+        self.kv_bytes_per_token = (
+            2 * mc.num_layers * mc.kv_size * torch.empty((), dtype=self.dtype).element_size()
+        )
+        num_tokens = config.kv_cache_tokens or self._default_kv_cache_tokens(max_model_len)
+        self.num_blocks = max(1, -(-num_tokens // self.block_size))
+        capacity = self.num_blocks * self.block_size
+        if capacity < max_model_len:
+            # A longer sequence could never be given blocks; refuse it up front instead.
+            logger.warning(
+                "KV cache holds %d tokens, fewer than max_model_len %d; capping max_model_len",
+                capacity,
+                max_model_len,
+            )
+            max_model_len = capacity
+        self.max_model_len = max_model_len
+        self.kv_caches: list[LayerKVCache] = allocate_kv_cache(
+            mc.num_layers,
+            self.num_blocks,
+            self.block_size,
+            mc.num_kv_heads,
+            mc.head_dim,
+            self.dtype,
+            self.device,
+        )
+        logger.info(
+            "model %s on %s/%s: %d KV blocks of %d tokens, max_model_len %d",
+            self.model_dir.name,
+            self.device,
+            self.dtype,
+            self.num_blocks,
+            self.block_size,
+            self.max_model_len,
+        )
+
+    def _default_kv_cache_tokens(self, max_model_len: int) -> int:
+        wanted = self.config.max_num_seqs * max_model_len
+        if self.device.type != "cuda":
+            return min(wanted, CPU_DEFAULT_KV_CACHE_TOKENS)
+        free_bytes, _ = torch.cuda.mem_get_info(self.device)
+        fits = int(free_bytes * CUDA_KV_CACHE_MEMORY_FRACTION) // self.kv_bytes_per_token
+        return max(self.block_size, min(wanted, fits))
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size
+
+    def execute(self, output: SchedulerOutput) -> torch.Tensor:
+        """Run one step; float32 logits [S, V] for the chunks that sample, in chunk order."""
+        if not output.chunks:
+            return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
+        inputs = self.prepare_inputs(output.chunks)
+        with torch.inference_mode():
+            hidden = self.model(inputs.input_ids, inputs.positions, inputs.metadata, self.kv_caches)
+            if inputs.sample_indices.numel() == 0:
+                return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
+            return self.model.compute_logits(hidden[inputs.sample_indices])
+
+    def prepare_inputs(self, chunks: list[ScheduledChunk]) -> StepInputs:
+        bs = self.block_size
+        token_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        prefill_specs: list[tuple[int, int, int, list[int]]] = []
+        sample_rows: list[int] = []
+        decoding = True  # single-token chunks at the head of the step share one decode call
+        for chunk in chunks:
+            request, start, n = chunk.request, chunk.start, chunk.num_tokens
+            end = start + n
+            blocks = request.block_ids
+            num_blocks = -(-end // bs)
+            assert n > 0 and len(blocks) >= num_blocks, (request.request_id, start, n, blocks)
+            assert end <= self.max_model_len, (request.request_id, end, self.max_model_len)
+            row = len(token_ids)
+            if n == 1 and decoding:
+                token_ids.append(request.token_at(start))
+                positions.append(start)
+                slots.append(blocks[start // bs] * bs + start % bs)
+                decode_tables.append(blocks[:num_blocks])
+                decode_lens.append(end)
+            else:
+                decoding = False
+                prompt = request.prompt_token_ids
+                source = prompt if end <= len(prompt) else request.all_token_ids
+                token_ids.extend(source[start:end])
+                positions.extend(range(start, end))
+                i = start
+                while i < end:  # one range per block the chunk touches
+                    offset = i % bs
+                    run = min(bs - offset, end - i)
+                    base = blocks[i // bs] * bs + offset
+                    slots.extend(range(base, base + run))
+                    i += run
+                prefill_specs.append((row, n, end, blocks[:num_blocks]))
+            if chunk.samples:
+                sample_rows.append(row + n - 1)
+
+        dev = self.device
+        num_decodes = len(decode_lens)
+        tables: torch.Tensor | None = None
+        lens: torch.Tensor | None = None
+        if num_decodes:
+            width = max(len(t) for t in decode_tables)
+            padded = [t + [0] * (width - len(t)) for t in decode_tables]
+            tables = torch.tensor(padded, dtype=torch.long, device=dev)
+            lens = torch.tensor(decode_lens, dtype=torch.long, device=dev)
+        prefills = [
+            PrefillSequence(
+                query_start=row,
+                query_len=n,
+                context_len=ctx,
+                block_ids=torch.tensor(ids, dtype=torch.long, device=dev),
+            )
+            for row, n, ctx, ids in prefill_specs
+        ]
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            num_decode_tokens=num_decodes,
+            decode_block_tables=tables,
+            decode_context_lens=lens,
+            prefills=prefills,
+            block_size=bs,
+        )
+        return StepInputs(
+            input_ids=torch.tensor(token_ids, dtype=torch.long, device=dev),
+            positions=torch.tensor(positions, dtype=torch.long, device=dev),
+            metadata=meta,
+            sample_indices=torch.tensor(sample_rows, dtype=torch.long, device=dev),
+        )

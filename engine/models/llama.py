@@ -1,0 +1,241 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2, SmolLM) over a step's flattened tokens.
+
+Hugging Face checkpoints keep q/k/v and gate/up as separate matrices; here each pair or
+triple is one fused matrix, so a layer runs two input matmuls instead of five.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention import AttentionMetadata, LayerKVCache, paged_attention
+from engine.model_loader import ModelConfig, ModelLoadError
+from kernels import reference as ref
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float, **factory: object) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(size, **factory))  # type: ignore[arg-type]
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ref.rms_norm(x, self.weight, self.eps)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, **factory: object) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = config.q_size
+        self.kv_size = config.kv_size
+        self.scale = config.head_dim**-0.5
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias, **factory
+        )
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias, **factory)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: LayerKVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        qkv = self.qkv_proj(x)  # [T, Q + 2 KV]
+        # Rope q and k heads together in one pass: [T, H + KVH, D].
+        qk = qkv[:, : self.q_size + self.kv_size].view(
+            num_tokens, self.num_heads + self.num_kv_heads, self.head_dim
+        )
+        qk = ref.apply_rope(qk, cos, sin)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
+        out = paged_attention(q, k, v, cache, meta, self.scale)  # [T, H, D]
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig, **factory: object) -> None:
+        super().__init__()
+        inter = config.intermediate_size
+        self.intermediate_size = inter
+        self.gate_up_proj = nn.Linear(
+            config.hidden_size, 2 * inter, bias=config.mlp_bias, **factory
+        )
+        self.down_proj = nn.Linear(inter, config.hidden_size, bias=config.mlp_bias, **factory)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)  # [T, 2 I]
+        gate, up = gate_up[:, : self.intermediate_size], gate_up[:, self.intermediate_size :]
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, **factory: object) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **factory)
+        self.self_attn = LlamaAttention(config, **factory)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **factory)
+        self.mlp = LlamaMLP(config, **factory)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: LayerKVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    """Parameters start uninitialized; `load_weights` fills every one of them."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        max_positions: int | None = None,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        # NOTE: built on the meta device and then materialized empty: random init of
+        # every matrix would cost seconds and be overwritten by the checkpoint anyway.
+        factory: dict[str, object] = {"device": "meta", "dtype": dtype}
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, **factory)  # type: ignore[arg-type]
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, **factory) for _ in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **factory)
+        self.lm_head: nn.Linear | None = None
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, **factory)  # type: ignore[arg-type]
+        self.to_empty(device=device)
+
+        num_positions = max_positions or config.max_model_len
+        scaling = config.rope_scaling
+        inv_freq = ref.rope_inv_freq(
+            config.head_dim,
+            config.rope_theta,
+            rope_type=scaling.rope_type if scaling else "default",
+            factor=scaling.factor if scaling else 1.0,
+            low_freq_factor=scaling.low_freq_factor if scaling else 1.0,
+            high_freq_factor=scaling.high_freq_factor if scaling else 4.0,
+            original_max_position_embeddings=(
+                scaling.original_max_position_embeddings if scaling else 8192
+            ),
+        )
+        cos, sin = ref.rope_cos_sin(inv_freq, num_positions)  # [P, D/2] float32
+        self.register_buffer("rope_cos", cos.to(device=device, dtype=dtype), persistent=False)
+        self.register_buffer("rope_sin", sin.to(device=device, dtype=dtype), persistent=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[LayerKVCache],
+    ) -> torch.Tensor:
+        """input_ids, positions [T] -> final hidden states [T, HID]."""
+        assert len(kv_caches) == len(self.layers)
+        cos = self.rope_cos[positions].unsqueeze(1)  # [T, 1, D/2], shared by all layers
+        sin = self.rope_sin[positions].unsqueeze(1)
+        x = self.embed_tokens(input_ids)
+        for layer, cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, cos, sin, cache, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [S, HID] of the sampling positions only -> float32 logits [S, V]."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    # ------------------------------------------------------------------ weights
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face-named tensors into the fused parameters; every parameter
+        must be covered exactly, else ModelLoadError names what is missing or wrong."""
+        targets = self._weight_targets()
+        pending = set(targets)
+        unexpected: list[str] = []
+        with torch.no_grad():
+            for name, tensor in weights:
+                target = targets.get(name)
+                if target is None:
+                    if not _ignorable(name, self.config):
+                        unexpected.append(name)
+                    continue
+                param, start, length = target
+                dest = param if start is None else param.narrow(0, start, length)
+                if tuple(tensor.shape) != tuple(dest.shape):
+                    raise ModelLoadError(
+                        f"tensor {name} has shape {list(tensor.shape)}, "
+                        f"the config expects {list(dest.shape)}"
+                    )
+                dest.copy_(tensor)
+                pending.discard(name)
+        if unexpected:
+            raise ModelLoadError(
+                f"checkpoint has {len(unexpected)} tensors this architecture does not use, "
+                f"e.g. {', '.join(sorted(unexpected)[:5])}"
+            )
+        if pending:
+            raise ModelLoadError(
+                f"checkpoint is missing {len(pending)} tensors, "
+                f"e.g. {', '.join(sorted(pending)[:5])}"
+            )
+
+    def _weight_targets(self) -> dict[str, tuple[torch.Tensor, int | None, int]]:
+        """HF tensor name -> (parameter, row offset or None for the whole, row count)."""
+        cfg = self.config
+        targets: dict[str, tuple[torch.Tensor, int | None, int]] = {
+            "model.embed_tokens.weight": (self.embed_tokens.weight, None, 0),
+            "model.norm.weight": (self.norm.weight, None, 0),
+        }
+        if self.lm_head is not None:
+            targets["lm_head.weight"] = (self.lm_head.weight, None, 0)
+        inter = cfg.intermediate_size
+        for i, layer in enumerate(self.layers):
+            assert isinstance(layer, LlamaDecoderLayer)
+            p = f"model.layers.{i}."
+            attn, mlp = layer.self_attn, layer.mlp
+            targets[p + "input_layernorm.weight"] = (layer.input_layernorm.weight, None, 0)
+            targets[p + "post_attention_layernorm.weight"] = (
+                layer.post_attention_layernorm.weight,
+                None,
+                0,
+            )
+            qkv_parts = (("q", 0, cfg.q_size), ("k", cfg.q_size, cfg.kv_size))
+            qkv_parts += (("v", cfg.q_size + cfg.kv_size, cfg.kv_size),)
+            kinds = ["weight"] + (["bias"] if cfg.qkv_bias else [])
+            for kind in kinds:
+                fused = getattr(attn.qkv_proj, kind)
+                for letter, start, length in qkv_parts:
+                    targets[f"{p}self_attn.{letter}_proj.{kind}"] = (fused, start, length)
+            for kind in ["weight"] + (["bias"] if cfg.o_bias else []):
+                targets[f"{p}self_attn.o_proj.{kind}"] = (getattr(attn.o_proj, kind), None, 0)
+            for kind in ["weight"] + (["bias"] if cfg.mlp_bias else []):
+                fused = getattr(mlp.gate_up_proj, kind)
+                targets[f"{p}mlp.gate_proj.{kind}"] = (fused, 0, inter)
+                targets[f"{p}mlp.up_proj.{kind}"] = (fused, inter, inter)
+                targets[f"{p}mlp.down_proj.{kind}"] = (getattr(mlp.down_proj, kind), None, 0)
+        return targets
+
+
+def _ignorable(name: str, config: ModelConfig) -> bool:
+    # Old checkpoints store rope frequencies; tied checkpoints may still carry lm_head.
+    if name.endswith("rotary_emb.inv_freq"):
+        return True
+    return name == "lm_head.weight" and config.tie_word_embeddings

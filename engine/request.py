@@ -1,0 +1,179 @@
+"""Request state shared by the scheduler, the block manager, the runner and the engine."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # 1 = off
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)  # stop strings, never emitted
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; k >= 0: chosen token + top-k alternatives
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class RequestStatus(enum.IntEnum):
+    """Ordered: everything above PREEMPTED is finished."""
+
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+
+    @property
+    def finished(self) -> bool:
+        return self > RequestStatus.PREEMPTED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, logprob), best first
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    eos_token_id: int | None = None
+    adapter_id: str | None = None  # None: base model
+    salt: str | None = None  # tenant salt for the prefix-cache hash chain
+    priority: int = 0  # lower value = served first
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    # KV of all_token_ids[:num_computed_tokens] is in the cache.
+    num_computed_tokens: int = 0
+    # Of the prompt, how many tokens came from the prefix cache at first admission.
+    num_cached_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    num_preemptions: int = 0
+    generator: torch.Generator | None = None
+    # Filled by the engine as tokens are sampled.
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    first_token_time: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.prompt_token_ids:
+            raise ValueError("prompt must contain at least one token")
+        if self.sampling.seed is not None and self.generator is None:
+            self.generator = torch.Generator().manual_seed(self.sampling.seed)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_at(self, index: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[index] if index < n else self.output_token_ids[index - n]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+
+@dataclass(slots=True)
+class ScheduledChunk:
+    """One request's share of a step: tokens [start, start + num_tokens) are computed."""
+
+    request: Request
+    start: int  # == request.num_computed_tokens when scheduled
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """After this chunk every known token has KV, so the next token is sampled."""
+        return self.start + self.num_tokens == self.request.num_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    # Decodes first (num_tokens == 1 on a request already past its prompt), then
+    # prefill chunks; the runner flattens tokens in this order.
+    chunks: list[ScheduledChunk]
+    # Requests that lost their blocks this step and went back to the waiting queue.
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What the engine reports for one request after a step (deltas since the last one)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+    new_logprobs: list[TokenLogprob] = field(default_factory=list)
+    # Text pieces of each new token (for logprobs responses); same length as new_token_ids.
+    new_token_texts: list[str] = field(default_factory=list)

@@ -1,0 +1,259 @@
+"""Continuous batching: which requests run in the next step, and how many tokens each.
+
+No prefill and decode phases: every step has a token budget (`max_num_batched_tokens`) and a
+cap on running sequences (`max_num_seqs`). Running requests are served first, in admission
+order, each with what it still needs (1 token for a decode, the rest of its prompt, chunked to
+the budget, for an unfinished prefill); then waiting requests are admitted in queue order and
+may be chunked too (chunked prefill).
+
+Waiting queue order: priority (lower value first), then preempted requests before the others
+of their priority, then arrival time, then insertion order.
+
+NOTE: max_loras. A step holds at most `max_loras` distinct adapters, and a waiting request is
+admitted only if the adapters of ALL running requests, plus its own, stay within that limit.
+So the running set never spans more than max_loras adapters, and every adapter a running
+request pins fits the device slots at once. A waiting request blocked by this rule is skipped
+and others may go ahead, until it is the oldest waiting request (the head of the queue when
+a step starts): while the head is blocked, no request with an adapter is admitted, so the
+running adapters drain and the head takes the first free adapter slot. Base-model requests
+never take a slot and keep flowing. This cannot deadlock: with nothing running, the head
+always fits.
+
+NOTE: preemption by recompute. When a running request cannot get blocks, the worst running
+request (highest priority value, then latest arrival) loses its blocks and goes back to the
+front of its priority in the waiting queue; it keeps its output tokens and is re-prefilled
+over prompt + output (the prefix cache usually returns most of it). No waiting request is
+admitted in a step that preempted: memory is short, admitting would only thrash.
+
+Contract with the engine: `abort_request` and `finish_request` are called between steps, never
+between `schedule()` and `update_after_step()`.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from collections import Counter
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.request import Request, RequestStatus, ScheduledChunk, SchedulerOutput
+
+_WaitingKey = tuple[int, int, float, int]
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        # Running requests in admission order.
+        self.running: list[Request] = []
+        # (key, request) sorted by key; keys are unique, so requests are never compared.
+        self._waiting: list[tuple[_WaitingKey, Request]] = []
+        self._requests: dict[str, Request] = {}
+        self._seq: dict[str, int] = {}
+        self._counter = itertools.count()
+        self.num_preemptions = 0
+
+    # ---- queries ----------------------------------------------------------------------
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def waiting(self) -> list[Request]:
+        """Waiting requests in the order they will be considered."""
+        return [request for _, request in self._waiting]
+
+    @property
+    def max_tokens_capacity(self) -> int:
+        """KV tokens the whole cache holds: the most one sequence can ever need."""
+        return self.block_manager.num_token_slots
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running or self._waiting)
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self._requests.get(request_id)
+
+    # ---- request lifecycle --------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self._requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        # The last sampled token never needs KV, hence the - 1.
+        num_needed = request.num_prompt_tokens + request.sampling.max_tokens - 1
+        if num_needed > self.max_tokens_capacity:
+            raise ValueError(
+                f"request {request.request_id!r} needs up to {num_needed} tokens of KV cache, "
+                f"the cache holds {self.max_tokens_capacity}"
+            )
+        if request.adapter_id is not None and self.config.max_loras < 1:
+            raise ValueError("LoRA adapters are disabled on this engine (max_loras = 0)")
+        assert request.status == RequestStatus.WAITING and not request.block_ids
+        self._requests[request.request_id] = request
+        self._seq[request.request_id] = next(self._counter)
+        self._push_waiting(request)
+
+    def abort_request(self, request_id: str) -> Request | None:
+        """Abort a live request, free its blocks; None if it is unknown or already finished."""
+        request = self._requests.get(request_id)
+        if request is None:
+            return None
+        self.finish_request(request, RequestStatus.FINISHED_ABORTED)
+        return request
+
+    def finish_request(self, request: Request, status: RequestStatus) -> None:
+        assert status.finished, status
+        assert self._requests.get(request.request_id) is request, request.request_id
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self._remove_waiting(request)
+        self.block_manager.free(request)
+        request.status = status
+        del self._requests[request.request_id]
+        del self._seq[request.request_id]
+
+    # ---- the step ---------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        chunks: dict[str, ScheduledChunk] = {}  # insertion order = scheduling order
+        step_adapters: Counter[str] = Counter()
+        preempted: list[Request] = []
+
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_needed = request.num_tokens - request.num_computed_tokens
+            assert num_needed > 0, f"running request {request.request_id} has nothing to compute"
+            if not self._adapter_fits(request.adapter_id, step_adapters):
+                index += 1
+                continue
+            while True:
+                # Recomputed each round: a victim scheduled earlier in this step gives its
+                # tokens back to the budget.
+                num_new = min(num_needed, budget)
+                if self.block_manager.allocate_slots(request, num_new):
+                    break
+                victim = max(self.running, key=self._eviction_rank)
+                victim_index = self.running.index(victim)
+                self._preempt(victim)
+                preempted.append(victim)
+                budget += _unschedule(victim, chunks, step_adapters)
+                if victim is request:
+                    break
+                if victim_index < index:
+                    index -= 1
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted itself; the list shrank, `index` names the next one
+            chunks[request.request_id] = ScheduledChunk(
+                request, request.num_computed_tokens, num_new
+            )
+            budget -= num_new
+            if request.adapter_id is not None:
+                step_adapters[request.adapter_id] += 1
+            index += 1
+
+        if not preempted:
+            budget = self._admit_waiting(budget, chunks)
+
+        decodes = [c for c in chunks.values() if _is_decode(c)]
+        prefills = [c for c in chunks.values() if not _is_decode(c)]
+        output = SchedulerOutput(chunks=decodes + prefills, preempted=preempted)
+        assert output.chunks or preempted or not self.has_unfinished_requests(), (
+            "scheduler made no progress: a request cannot fit in the KV cache"
+        )
+        return output
+
+    def update_after_step(self, output: SchedulerOutput) -> None:
+        """The forward ran: the KV of every scheduled token is now in the cache."""
+        for chunk in output.chunks:
+            request = chunk.request
+            assert request.num_computed_tokens == chunk.start, request.request_id
+            request.num_computed_tokens += chunk.num_tokens
+
+    # ---- internals --------------------------------------------------------------------
+
+    def _admit_waiting(self, budget: int, chunks: dict[str, ScheduledChunk]) -> int:
+        running_adapters = Counter(r.adapter_id for r in self.running if r.adapter_id is not None)
+        head = self._waiting[0][1] if self._waiting else None
+        hold_adapters = False  # the head waits for an adapter slot: nobody takes one first
+        for _, request in list(self._waiting):
+            if budget == 0 or len(self.running) >= self.config.max_num_seqs:
+                break
+            adapter_id = request.adapter_id
+            if adapter_id is not None and (
+                hold_adapters or not self._adapter_fits(adapter_id, running_adapters)
+            ):
+                hold_adapters = hold_adapters or request is head
+                continue
+            num_hit = self.block_manager.get_computed_tokens(request)
+            num_new = min(request.num_tokens - num_hit, budget)
+            if not self.block_manager.allocate_slots(request, num_new, num_cached_tokens=num_hit):
+                # NOTE: strict queue order on memory: letting smaller requests pass would
+                # starve a large one for ever.
+                break
+            self._remove_waiting(request)
+            if request.status == RequestStatus.WAITING:
+                request.num_cached_tokens = num_hit
+            request.num_computed_tokens = num_hit
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            if adapter_id is not None:
+                running_adapters[adapter_id] += 1
+            chunks[request.request_id] = ScheduledChunk(request, num_hit, num_new)
+            budget -= num_new
+        return budget
+
+    def _adapter_fits(self, adapter_id: str | None, adapters: Counter[str]) -> bool:
+        return adapter_id is None or adapter_id in adapters or len(adapters) < self.config.max_loras
+
+    def _eviction_rank(self, request: Request) -> tuple[int, float, int]:
+        """Larger = preempted first."""
+        return (request.priority, request.arrival_time, self._seq[request.request_id])
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.block_manager.free(request)  # before the reset: free reads num_computed_tokens
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self._push_waiting(request)
+
+    def _waiting_key(self, request: Request) -> _WaitingKey:
+        is_new = 0 if request.status == RequestStatus.PREEMPTED else 1
+        return (request.priority, is_new, request.arrival_time, self._seq[request.request_id])
+
+    def _push_waiting(self, request: Request) -> None:
+        bisect.insort(self._waiting, (self._waiting_key(request), request), key=lambda e: e[0])
+
+    def _remove_waiting(self, request: Request) -> None:
+        index = bisect.bisect_left(self._waiting, self._waiting_key(request), key=lambda e: e[0])
+        assert self._waiting[index][1] is request, request.request_id
+        del self._waiting[index]
+
+
+def _unschedule(
+    request: Request, chunks: dict[str, ScheduledChunk], step_adapters: Counter[str]
+) -> int:
+    """Take back a chunk scheduled earlier in this step; returns its tokens."""
+    chunk = chunks.pop(request.request_id, None)
+    if chunk is None:
+        return 0
+    if request.adapter_id is not None:
+        step_adapters[request.adapter_id] -= 1
+        if not step_adapters[request.adapter_id]:
+            del step_adapters[request.adapter_id]
+    return chunk.num_tokens
+
+
+def _is_decode(chunk: ScheduledChunk) -> bool:
+    return chunk.num_tokens == 1 and chunk.start >= chunk.request.num_prompt_tokens

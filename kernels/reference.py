@@ -1,0 +1,183 @@
+"""Plain-torch semantics of the model's custom ops; the CPU path runs these directly.
+
+Shapes: T flattened tokens of a step, H query heads, KVH key/value heads, D head_dim,
+NB cache blocks of BS token slots each. The KV cache of one layer is a pair of tensors
+`[NB, BS, KVH, D]`; token slot `s` lives at block `s // BS`, offset `s % BS`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # x [T, HID], weight [HID]
+    return F.rms_norm(x, weight.shape, weight, eps)
+
+
+def rope_inv_freq(
+    head_dim: int,
+    theta: float,
+    rope_type: str = "default",
+    factor: float = 1.0,
+    low_freq_factor: float = 1.0,
+    high_freq_factor: float = 4.0,
+    original_max_position_embeddings: int = 8192,
+) -> torch.Tensor:
+    """Inverse frequencies [D / 2] in float32, with optional linear or llama3 scaling."""
+    # NOTE: float32 throughout, like the reference checkpoints' own code, so the cos/sin
+    # tables match bit for bit and greedy outputs do not drift on near-ties.
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (theta**exponents)
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / factor
+    assert rope_type == "llama3", rope_type
+    # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, and the band
+    # in between blended linearly in 1/wavelength.
+    old_len = original_max_position_embeddings
+    low_freq_wavelen = old_len / low_freq_factor
+    high_freq_wavelen = old_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, blended, scaled)
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, num_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables [P, D / 2] for positions 0..P-1."""
+    positions = torch.arange(num_positions, dtype=torch.int64).float()
+    freqs = positions[:, None] * inv_freq[None, :]  # [P, D/2]
+    return freqs.cos(), freqs.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half rope. x [T, N, D]; cos, sin [T, 1, D / 2] -> [T, N, D]."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def write_kv_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """key, value [T, KVH, D] go to slots slot_mapping [T] of the caches [NB, BS, KVH, D]."""
+    num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
+    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
+    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+
+
+def decode_attention_mask(context_lens: torch.Tensor, max_len: int) -> torch.Tensor:
+    """[S, 1, 1, L] bool: True where a key position is inside the sequence."""
+    positions = torch.arange(max_len, device=context_lens.device)
+    return (positions[None, :] < context_lens[:, None])[:, None, None, :]
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One query token per sequence, attending to its whole cached context.
+
+    query [S, H, D]; block_tables [S, M] (padding entries may be any valid block id);
+    context_lens [S] (including the query token, already written); mask: a precomputed
+    `decode_attention_mask(context_lens, M * BS)`. Returns [S, H, D].
+    """
+    num_seqs, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    max_len = block_tables.shape[1] * block_size
+    if mask is None:
+        mask = decode_attention_mask(context_lens, max_len)
+    # index_select on the flat table copies whole blocks and is several times faster on
+    # CPU than advanced indexing. [S * M, BS, KVH, D] -> [S, KVH, L, D]
+    flat = block_tables.reshape(-1)
+    shape = (num_seqs, max_len, num_kv_heads, head_dim)
+    keys = key_cache.index_select(0, flat).view(shape).transpose(1, 2)
+    values = value_cache.index_select(0, flat).view(shape).transpose(1, 2)
+    # Grouped-query attention without copying K/V per query head: the query heads that
+    # share a KV head become that head's rows ([S, KVH, G, D]).
+    q = query.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+    return out.reshape(num_seqs, num_heads, head_dim)
+
+
+def prefill_attention_mask(query_len: int, context_len: int, device: torch.device) -> torch.Tensor:
+    """[Q, C] bool: query i sits at position C - Q + i and sees keys 0..C - Q + i."""
+    ones = torch.ones(query_len, context_len, dtype=torch.bool, device=device)
+    return ones.tril(diagonal=context_len - query_len)
+
+
+def causal_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """A sequence with nothing cached before it. query [Q, H, D]; key, value [Q, KVH, D]."""
+    q, k, v = _heads_first(query, key, value)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    return out.transpose(0, 1)
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_ids: torch.Tensor,
+    context_len: int,
+    scale: float,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The last Q tokens of a sequence of context_len tokens, all of whose K/V are cached.
+
+    query [Q, H, D]; block_ids [>= ceil(C / BS)]; mask: a precomputed
+    `prefill_attention_mask(Q, C)`. Returns [Q, H, D].
+    """
+    query_len = query.shape[0]
+    _, block_size, num_kv_heads, head_dim = key_cache.shape
+    num_blocks = -(-context_len // block_size)
+    ids = block_ids[:num_blocks]
+    key = key_cache.index_select(0, ids).view(-1, num_kv_heads, head_dim)[:context_len]
+    value = value_cache.index_select(0, ids).view(-1, num_kv_heads, head_dim)[:context_len]
+    if mask is None:
+        mask = prefill_attention_mask(query_len, context_len, query.device)
+    q, k, v = _heads_first(query, key, value)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return out.transpose(0, 1)
+
+
+def _heads_first(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # [N, heads, D] -> [heads, N, D], with K/V repeated so each query head has its own.
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.transpose(0, 1), value.transpose(0, 1)
+    if groups > 1:
+        key = key.repeat_interleave(groups, dim=0)
+        value = value.repeat_interleave(groups, dim=0)
+    return query.transpose(0, 1), key, value
+
+
+def dense_causal_attention_reference(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Unpaged, unfused semantics for tests: query [Q, H, D] are the last Q of the C keys
+    key, value [C, KVH, D]. Returns [Q, H, D]."""
+    query_len, context_len = query.shape[0], key.shape[0]
+    q, k, v = _heads_first(query.float(), key.float(), value.float())
+    scores = q @ k.transpose(1, 2) * scale  # [H, Q, C]
+    visible = prefill_attention_mask(query_len, context_len, query.device)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    return (scores.softmax(-1) @ v).transpose(0, 1).to(query.dtype)

@@ -1,0 +1,166 @@
+"""EngineCore end to end on SmolLM2: greedy outputs equal HF generating each prompt alone."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from engine.config import EngineConfig
+from engine.engine_core import EngineCore, RequestRejected
+from engine.request import Request, RequestOutput, SamplingParams
+from tests.utils.hf_oracle import hf_greedy
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "The capital of France is",
+    "Write a short poem about the sea. The waves",
+    "def fibonacci(n):\n    ",
+    "Once upon a time, in a small village near the mountains, there lived an old "
+    "clockmaker who repaired every clock in the valley. One morning",
+]
+NEW_TOKENS = 20
+
+
+def make_core(smollm2_dir: Path, **overrides: object) -> EngineCore:
+    cfg = EngineConfig(model=str(smollm2_dir), **overrides)  # type: ignore[arg-type]
+    return EngineCore(cfg)
+
+
+def run_to_completion(core: EngineCore, requests: list[Request], max_steps: int = 10_000) -> dict[
+    str, list[RequestOutput]
+]:
+    for r in requests:
+        core.add_request(r)
+    outputs: dict[str, list[RequestOutput]] = {r.request_id: [] for r in requests}
+    for _ in range(max_steps):
+        if not core.has_unfinished_requests():
+            break
+        for out in core.step():
+            outputs[out.request_id].append(out)
+    assert not core.has_unfinished_requests(), "engine did not finish"
+    return outputs
+
+
+def token_ids(outs: list[RequestOutput]) -> list[int]:
+    return [t for o in outs for t in o.new_token_ids]
+
+
+def greedy_request(rid: str, ids: list[int], n: int = NEW_TOKENS) -> Request:
+    return Request(request_id=rid, prompt_token_ids=ids, sampling=SamplingParams(max_tokens=n, temperature=0))
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(smollm2_dir: Path) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    return [list(tok(p).input_ids) for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def expected(smollm2_dir: Path, prompt_ids: list[list[int]]) -> list[list[int]]:
+    return [hf_greedy(smollm2_dir, ids, NEW_TOKENS) for ids in prompt_ids]
+
+
+def test_concurrent_greedy_matches_hf(smollm2_dir, prompt_ids, expected) -> None:
+    core = make_core(smollm2_dir)
+    reqs = [greedy_request(f"r{i}", ids) for i, ids in enumerate(prompt_ids)]
+    outs = run_to_completion(core, reqs)
+    for i in range(len(reqs)):
+        assert token_ids(outs[f"r{i}"]) == expected[i], PROMPTS[i]
+    final = [o[-1] for o in outs.values()]
+    assert all(o.finished for o in final)
+    assert core.block_manager.num_free_blocks == core.runner.num_blocks
+
+
+def test_chunked_prefill_matches_hf(smollm2_dir, prompt_ids, expected) -> None:
+    # The longest prompt is ~35 tokens: a budget of 8 splits every prompt into chunks.
+    core = make_core(smollm2_dir, max_num_batched_tokens=8)
+    assert max(len(p) for p in prompt_ids) > 8
+    reqs = [greedy_request(f"c{i}", ids) for i, ids in enumerate(prompt_ids)]
+    outs = run_to_completion(core, reqs)
+    for i in range(len(reqs)):
+        assert token_ids(outs[f"c{i}"]) == expected[i]
+
+
+def test_prefix_cache_hit_matches_hf(smollm2_dir, prompt_ids, expected) -> None:
+    core = make_core(smollm2_dir, block_size=4)
+    long_ids = prompt_ids[3]
+    first = run_to_completion(core, [greedy_request("p0", long_ids)])
+    assert token_ids(first["p0"]) == expected[3]
+    second = run_to_completion(core, [greedy_request("p1", long_ids)])
+    assert token_ids(second["p1"]) == expected[3]
+    cached = second["p1"][-1].num_cached_tokens
+    # Every full block but the one holding the last prompt token is reused.
+    assert cached == ((len(long_ids) - 1) // 4) * 4
+    assert cached > 0
+
+
+def test_preemption_with_tiny_kv_cache(smollm2_dir, prompt_ids, expected) -> None:
+    # 64 tokens of KV for 4 requests of ~30-55 tokens each: only preemption makes it.
+    core = make_core(smollm2_dir, kv_cache_tokens=64, block_size=4, enable_prefix_caching=False)
+    ids = [p[:28] for p in prompt_ids]
+    want = [hf_greedy(smollm2_dir, p, NEW_TOKENS) for p in ids]
+    reqs = [greedy_request(f"k{i}", p) for i, p in enumerate(ids)]
+    assert sum(len(p) + NEW_TOKENS for p in ids) > 64
+    outs = run_to_completion(core, reqs)
+    for i in range(len(reqs)):
+        assert token_ids(outs[f"k{i}"]) == want[i]
+    assert core.scheduler.num_preemptions > 0
+    assert core.block_manager.num_free_blocks == core.runner.num_blocks
+
+
+def test_abort_frees_blocks(smollm2_dir, prompt_ids) -> None:
+    core = make_core(smollm2_dir, enable_prefix_caching=False)
+    total = core.block_manager.num_free_blocks
+    reqs = [greedy_request(f"a{i}", ids, n=200) for i, ids in enumerate(prompt_ids)]
+    for r in reqs:
+        core.add_request(r)
+    for _ in range(3):
+        core.step()
+    held = total - core.block_manager.num_free_blocks
+    assert held >= len(reqs)
+    a0_blocks = len(reqs[0].block_ids)
+    assert a0_blocks > 0
+    out = core.abort_request("a0")
+    assert out is not None and out.finished and out.finish_reason == "abort"
+    assert total - core.block_manager.num_free_blocks == held - a0_blocks
+    for r in reqs[1:]:
+        core.abort_request(r.request_id)
+    assert core.block_manager.num_free_blocks == total
+    assert not core.has_unfinished_requests()
+
+
+def test_rejects_requests_that_cannot_fit(smollm2_dir) -> None:
+    core = make_core(smollm2_dir, kv_cache_tokens=64, block_size=16)
+    with pytest.raises(RequestRejected) as err:
+        core.add_request(greedy_request("big", list(range(100, 150)), n=32))
+    assert err.value.code == "context_length_exceeded"
+    assert core.block_manager.num_free_blocks == core.runner.num_blocks
+
+
+def test_stop_string_and_max_tokens(smollm2_dir, prompt_ids, expected) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    full_text = tok.decode(expected[0], skip_special_tokens=True)
+    stop = full_text.strip().split()[1]  # a word that appears after the start
+    core = make_core(smollm2_dir)
+    req = Request(
+        request_id="s",
+        prompt_token_ids=prompt_ids[0],
+        sampling=SamplingParams(max_tokens=NEW_TOKENS, temperature=0, stop=[stop]),
+    )
+    outs = run_to_completion(core, [req])["s"]
+    text = "".join(o.new_text for o in outs)
+    assert outs[-1].finish_reason == "stop"
+    assert stop not in text
+    assert full_text.startswith(text)
+    assert full_text[len(text) :].lstrip().startswith(stop) or full_text[len(text) :].startswith(stop)
+
+    core2 = make_core(smollm2_dir)
+    outs2 = run_to_completion(core2, [greedy_request("m", prompt_ids[0], n=3)])["m"]
+    assert outs2[-1].finish_reason == "length"
+    assert token_ids(outs2) == expected[0][:3]
