@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -32,7 +33,7 @@ class HFResult:
         }
 
 
-def load_hf_model(model_dir: Path) -> torch.nn.Module:
+def load_hf_model(model_dir: Path) -> Any:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -40,7 +41,7 @@ def load_hf_model(model_dir: Path) -> torch.nn.Module:
     return model
 
 
-def _greedy_kwargs(model: torch.nn.Module, max_new_tokens: int) -> dict[str, object]:
+def _greedy_kwargs(model: Any, max_new_tokens: int) -> dict[str, object]:
     # min_new_tokens == max_new_tokens: same output lengths as the engine's ignore_eos.
     pad = model.config.pad_token_id
     if pad is None:
@@ -54,22 +55,22 @@ def _greedy_kwargs(model: torch.nn.Module, max_new_tokens: int) -> dict[str, obj
 
 
 @torch.inference_mode()
-def run_one_at_a_time(model: torch.nn.Module, requests: list[BenchRequest]) -> HFResult:
+def run_one_at_a_time(model: Any, requests: list[BenchRequest]) -> HFResult:
     start = time.perf_counter()
     tokens = 0
     for r in requests:
         ids = torch.tensor([r.prompt_token_ids])
         out = model.generate(
-            input_ids=ids, attention_mask=torch.ones_like(ids), **_greedy_kwargs(model, r.max_tokens)
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            **_greedy_kwargs(model, r.max_tokens),
         )
         tokens += out.shape[1] - ids.shape[1]
     return HFResult("hf_one_at_a_time", len(requests), tokens, time.perf_counter() - start)
 
 
 @torch.inference_mode()
-def run_static_batches(
-    model: torch.nn.Module, requests: list[BenchRequest], batch_size: int
-) -> HFResult:
+def run_static_batches(model: Any, requests: list[BenchRequest], batch_size: int) -> HFResult:
     """Left-padded static batches; a batch runs until its longest request is done.
 
     Only each request's own max_tokens count as delivered output.
@@ -88,4 +89,6 @@ def run_static_batches(
         longest = max(r.max_tokens for r in batch)
         model.generate(input_ids=ids, attention_mask=mask, **_greedy_kwargs(model, longest))
         tokens += sum(r.max_tokens for r in batch)
-    return HFResult(f"hf_static_batch_{batch_size}", len(requests), tokens, time.perf_counter() - start)
+    return HFResult(
+        f"hf_static_batch_{batch_size}", len(requests), tokens, time.perf_counter() - start
+    )

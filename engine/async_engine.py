@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 from collections.abc import AsyncIterator
@@ -208,7 +209,7 @@ class AsyncEngine:
                 outputs = core.step()
                 if outputs:
                     self._deliver(outputs, {})
-        except BaseException as exc:  # noqa: BLE001 - the loop must report any failure
+        except BaseException as exc:
             log.exception("engine step loop failed")
             self._error = exc
             self._fail_all(EngineDeadError(f"engine failed: {exc}"))
@@ -230,10 +231,9 @@ class AsyncEngine:
                     stream.finished = True
                     by_loop.setdefault(stream.loop, []).append((stream, exc))
         for loop, items in by_loop.items():
-            try:
+            # A closed caller loop means nobody is listening any more.
+            with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(_put_all, items)
-            except RuntimeError:
-                pass  # that caller's loop is closed: nobody is listening
 
     def _fail_all(self, exc: BaseException) -> None:
         with self._lock:
@@ -241,10 +241,8 @@ class AsyncEngine:
             self._streams.clear()
         for _, stream in streams:
             stream.finished = True
-            try:
+            with contextlib.suppress(RuntimeError):
                 stream.loop.call_soon_threadsafe(_put_all, [(stream, exc)])
-            except RuntimeError:
-                pass
 
 
 def _put_all(items: list[tuple[_Stream, Any]]) -> None:

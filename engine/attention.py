@@ -67,15 +67,34 @@ class PrefillSequence:
 
 
 @dataclass(slots=True)
+class DecodeGroup:
+    """Decode rows [start, start + count) attending through one padded block table."""
+
+    start: int
+    count: int
+    block_tables: torch.Tensor  # [count, width] long
+    context_lens: torch.Tensor  # [count] long
+    mask: torch.Tensor  # [count, 1, 1, width * block_size] bool
+    # Its blocks' place in AttentionMetadata.decode_gather: [offset, offset + count * width).
+    gather_offset: int
+    gather_len: int
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] long: cache slot of each token's K/V
     num_decode_tokens: int  # the first D tokens, one per decoding sequence
     decode_block_tables: torch.Tensor | None  # [D, max_blocks] long, padded with block 0
     decode_context_lens: torch.Tensor | None  # [D] long, including the decoded token
     prefills: list[PrefillSequence]
-    # [D, 1, 1, max_blocks * block_size] bool, built once per step for all layers.
-    decode_mask: torch.Tensor | None = field(init=False)
     block_size: int = 16
+    # Split of the D decode rows into consecutive groups, each padded only to its own
+    # longest context; None: one group. The runner sorts decodes by length for this.
+    decode_group_sizes: list[int] | None = None
+    # Built once per step for all layers: the groups, and every group's padded block
+    # table flattened into one index, so a layer gathers all decode K/V in one copy.
+    decode_groups: list[DecodeGroup] = field(init=False)
+    decode_gather: torch.Tensor | None = field(init=False)
 
     def __post_init__(self) -> None:
         # paged_attention concatenates outputs in this order, so the layout must be exact.
@@ -84,13 +103,42 @@ class AttentionMetadata:
             assert seq.query_start == offset, (seq.query_start, offset)
             offset += seq.query_len
         assert offset == self.slot_mapping.shape[0], (offset, self.slot_mapping.shape)
+        self.decode_groups = []
+        self.decode_gather = None
         if self.num_decode_tokens == 0:
-            self.decode_mask = None
             return
-        assert self.decode_block_tables is not None and self.decode_context_lens is not None
-        assert self.decode_block_tables.shape[0] == self.num_decode_tokens
-        max_len = self.decode_block_tables.shape[1] * self.block_size
-        self.decode_mask = ref.decode_attention_mask(self.decode_context_lens, max_len)
+        tables, lens = self.decode_block_tables, self.decode_context_lens
+        assert tables is not None and lens is not None
+        assert tables.shape[0] == self.num_decode_tokens
+        sizes = self.decode_group_sizes or [self.num_decode_tokens]
+        assert sum(sizes) == self.num_decode_tokens, (sizes, self.num_decode_tokens)
+        bs = self.block_size
+        start = offset = 0
+        flat: list[torch.Tensor] = []
+        for count in sizes:
+            group_lens = lens[start : start + count]
+            width = -(-int(group_lens.max()) // bs)
+            group_tables = tables[start : start + count, :width]
+            self.decode_groups.append(
+                DecodeGroup(
+                    start=start,
+                    count=count,
+                    block_tables=group_tables,
+                    context_lens=group_lens,
+                    mask=ref.decode_attention_mask(group_lens, width * bs),
+                    gather_offset=offset,
+                    gather_len=count * width,
+                )
+            )
+            flat.append(group_tables.reshape(-1))
+            start += count
+            offset += count * width
+        self.decode_gather = flat[0] if len(flat) == 1 else torch.cat(flat)
+
+    @property
+    def decode_mask(self) -> torch.Tensor | None:
+        """The mask of a single decode group (tests and one-group steps)."""
+        return self.decode_groups[0].mask if len(self.decode_groups) == 1 else None
 
     @property
     def num_tokens(self) -> int:
@@ -107,22 +155,17 @@ def paged_attention(
 ) -> torch.Tensor:
     """query [T, H, D], key/value [T, KVH, D] (rope applied) -> [T, H, D]."""
     ref.write_kv_cache(key, value, cache.key, cache.value, meta.slot_mapping)
-    num_decodes = meta.num_decode_tokens
-    decode_out: torch.Tensor | None = None
-    if num_decodes:
-        assert meta.decode_block_tables is not None and meta.decode_context_lens is not None
-        decode_out = ref.paged_decode_attention(
-            query[:num_decodes],
-            cache.key,
-            cache.value,
-            meta.decode_block_tables,
-            meta.decode_context_lens,
-            scale,
-            meta.decode_mask,
-        )
-        if not meta.prefills:
-            return decode_out
-    outs = [] if decode_out is None else [decode_out]
+    outs: list[torch.Tensor] = []
+    if meta.decode_gather is not None:
+        keys = cache.key.index_select(0, meta.decode_gather)  # [sum of widths, BS, KVH, D]
+        values = cache.value.index_select(0, meta.decode_gather)
+        for g in meta.decode_groups:
+            blocks = slice(g.gather_offset, g.gather_offset + g.gather_len)
+            outs.append(
+                ref.decode_attention_gathered(
+                    query[g.start : g.start + g.count], keys[blocks], values[blocks], g.mask, scale
+                )
+            )
     for seq in meta.prefills:
         span = slice(seq.query_start, seq.query_start + seq.query_len)
         if seq.mask is None:

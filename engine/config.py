@@ -28,6 +28,8 @@ class EngineConfig:
     max_cpu_loras: int = 64
     max_lora_rank: int = 64
     num_threads: int | None = None  # torch intra-op threads on CPU; None: all cores
+    # CPU float32: run linear layers on oneDNN-packed weights (see engine/models/cpu_linear.py).
+    pack_cpu_weights: bool = True
     data_dir: Path | None = None  # None: LORAPLEX_DATA_DIR or ./var
 
     def __post_init__(self) -> None:

@@ -10,7 +10,7 @@ from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.model_loader import resolve_model
 from engine.model_runner import ModelRunner
-from engine.request import Request, RequestOutput, RequestStatus
+from engine.request import Request, RequestOutput, RequestStatus, TokenLogprob
 from engine.sampler import Sampler
 from engine.scheduler import Scheduler
 
@@ -114,7 +114,9 @@ class EngineCore:
             outputs.append(self._append_token(tracked, result.token_id, result.logprob, now))
         return outputs
 
-    def _append_token(self, tracked: _Tracked, token_id: int, logprob, now: float) -> RequestOutput:  # type: ignore[no-untyped-def]
+    def _append_token(
+        self, tracked: _Tracked, token_id: int, logprob: TokenLogprob | None, now: float
+    ) -> RequestOutput:
         request = tracked.request
         params = request.sampling
         request.output_token_ids.append(token_id)
@@ -157,7 +159,7 @@ class EngineCore:
         request: Request,
         new_token_ids: list[int],
         text: str,
-        new_logprobs: list,  # type: ignore[type-arg]
+        new_logprobs: list[TokenLogprob],
         token_texts: list[str],
     ) -> RequestOutput:
         return RequestOutput(

@@ -18,6 +18,7 @@ from engine.model_loader import (
     load_tokenizer,
     validate_model_dir,
 )
+from engine.models.cpu_linear import pack_linears, packing_available
 from engine.models.llama import LlamaForCausalLM
 from engine.request import ScheduledChunk, SchedulerOutput
 
@@ -87,6 +88,10 @@ class ModelRunner:
         )
         self.model.load_weights(iter_safetensors(self.model_dir))
         self.model.eval()
+        if config.pack_cpu_weights and packing_available(self.device, self.dtype):
+            tied = self.model.embed_tokens.weight if self.model.lm_head is None else None
+            num_packed = pack_linears(self.model, lm_head_weight=tied)
+            logger.info("packed %d linear layers for oneDNN", num_packed)
 
         mc = self.model_config
         self.kv_bytes_per_token = (
@@ -154,9 +159,28 @@ class ModelRunner:
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
         prefill_specs: list[tuple[int, int, int, list[int]]] = []
-        sample_rows: list[int] = []
-        decoding = True  # single-token chunks at the head of the step share one decode call
-        for chunk in chunks:
+        # Single-token chunks at the head of the step share the batched decode call.
+        num_decodes = 0
+        while num_decodes < len(chunks) and chunks[num_decodes].num_tokens == 1:
+            num_decodes += 1
+        # NOTE: decodes are laid out longest context first so that consecutive groups
+        # pad their gathered K/V only to their own longest context (see decode_groups).
+        order = sorted(range(num_decodes), key=lambda i: -chunks[i].start)
+        row_of = [0] * num_decodes
+        for row, i in enumerate(order):
+            row_of[i] = row
+            request, start = chunks[i].request, chunks[i].start
+            blocks = request.block_ids
+            num_blocks = start // bs + 1
+            assert len(blocks) >= num_blocks, (request.request_id, start, blocks)
+            assert start < self.max_model_len, (request.request_id, start, self.max_model_len)
+            token_ids.append(request.token_at(start))
+            positions.append(start)
+            slots.append(blocks[start // bs] * bs + start % bs)
+            decode_tables.append(blocks[:num_blocks])
+            decode_lens.append(start + 1)
+        sample_rows: list[int] = [row_of[i] for i in range(num_decodes) if chunks[i].samples]
+        for chunk in chunks[num_decodes:]:
             request, start, n = chunk.request, chunk.start, chunk.num_tokens
             end = start + n
             blocks = request.block_ids
@@ -164,31 +188,22 @@ class ModelRunner:
             assert n > 0 and len(blocks) >= num_blocks, (request.request_id, start, n, blocks)
             assert end <= self.max_model_len, (request.request_id, end, self.max_model_len)
             row = len(token_ids)
-            if n == 1 and decoding:
-                token_ids.append(request.token_at(start))
-                positions.append(start)
-                slots.append(blocks[start // bs] * bs + start % bs)
-                decode_tables.append(blocks[:num_blocks])
-                decode_lens.append(end)
-            else:
-                decoding = False
-                prompt = request.prompt_token_ids
-                source = prompt if end <= len(prompt) else request.all_token_ids
-                token_ids.extend(source[start:end])
-                positions.extend(range(start, end))
-                i = start
-                while i < end:  # one range per block the chunk touches
-                    offset = i % bs
-                    run = min(bs - offset, end - i)
-                    base = blocks[i // bs] * bs + offset
-                    slots.extend(range(base, base + run))
-                    i += run
-                prefill_specs.append((row, n, end, blocks[:num_blocks]))
+            prompt = request.prompt_token_ids
+            source = prompt if end <= len(prompt) else request.all_token_ids
+            token_ids.extend(source[start:end])
+            positions.extend(range(start, end))
+            i = start
+            while i < end:  # one range per block the chunk touches
+                offset = i % bs
+                run = min(bs - offset, end - i)
+                base = blocks[i // bs] * bs + offset
+                slots.extend(range(base, base + run))
+                i += run
+            prefill_specs.append((row, n, end, blocks[:num_blocks]))
             if chunk.samples:
                 sample_rows.append(row + n - 1)
 
         dev = self.device
-        num_decodes = len(decode_lens)
         tables: torch.Tensor | None = None
         lens: torch.Tensor | None = None
         if num_decodes:
@@ -212,6 +227,7 @@ class ModelRunner:
             decode_context_lens=lens,
             prefills=prefills,
             block_size=bs,
+            decode_group_sizes=decode_group_sizes([len(t) for t in decode_tables]),
         )
         return StepInputs(
             input_ids=torch.tensor(token_ids, dtype=torch.long, device=dev),
@@ -219,3 +235,23 @@ class ModelRunner:
             metadata=meta,
             sample_indices=torch.tensor(sample_rows, dtype=torch.long, device=dev),
         )
+
+
+# A decode group is closed when the next (shorter) sequence would pad to less than this
+# share of the group's widest block table...
+DECODE_GROUP_FILL = 0.75
+# ...but groups stay at least this large: each group is one attention call per layer.
+MIN_DECODE_GROUP = 4
+
+
+def decode_group_sizes(widths: list[int]) -> list[int] | None:
+    """Split block-table widths, sorted longest first, into padding-bounded groups."""
+    sizes: list[int] = []
+    group_width = 0
+    for width in widths:
+        if sizes and (sizes[-1] < MIN_DECODE_GROUP or width >= DECODE_GROUP_FILL * group_width):
+            sizes[-1] += 1
+        else:
+            sizes.append(1)
+            group_width = width
+    return sizes or None

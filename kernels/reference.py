@@ -98,21 +98,39 @@ def paged_decode_attention(
     context_lens [S] (including the query token, already written); mask: a precomputed
     `decode_attention_mask(context_lens, M * BS)`. Returns [S, H, D].
     """
-    num_seqs, num_heads, head_dim = query.shape
-    _, block_size, num_kv_heads, _ = key_cache.shape
+    block_size = key_cache.shape[1]
     max_len = block_tables.shape[1] * block_size
     if mask is None:
         mask = decode_attention_mask(context_lens, max_len)
     # index_select on the flat table copies whole blocks and is several times faster on
-    # CPU than advanced indexing. [S * M, BS, KVH, D] -> [S, KVH, L, D]
+    # CPU than advanced indexing.
     flat = block_tables.reshape(-1)
-    shape = (num_seqs, max_len, num_kv_heads, head_dim)
-    keys = key_cache.index_select(0, flat).view(shape).transpose(1, 2)
-    values = value_cache.index_select(0, flat).view(shape).transpose(1, 2)
+    keys = key_cache.index_select(0, flat)  # [S * M, BS, KVH, D]
+    values = value_cache.index_select(0, flat)
+    return decode_attention_gathered(query, keys, values, mask, scale)
+
+
+def decode_attention_gathered(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Decode attention over blocks already gathered in block-table order.
+
+    query [S, H, D]; keys, values [S * M, BS, KVH, D] (sequence s owns blocks
+    s*M .. s*M + M - 1); mask [S, 1, 1, M * BS]. Returns [S, H, D].
+    """
+    num_seqs, num_heads, head_dim = query.shape
+    num_kv_heads = keys.shape[2]
+    shape = (num_seqs, -1, num_kv_heads, head_dim)
+    k = keys.view(shape).transpose(1, 2)  # [S, KVH, L, D]
+    v = values.view(shape).transpose(1, 2)
     # Grouped-query attention without copying K/V per query head: the query heads that
     # share a KV head become that head's rows ([S, KVH, G, D]).
     q = query.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     return out.reshape(num_seqs, num_heads, head_dim)
 
 
@@ -127,8 +145,10 @@ def causal_attention(
 ) -> torch.Tensor:
     """A sequence with nothing cached before it. query [Q, H, D]; key, value [Q, KVH, D]."""
     q, k, v = _heads_first(query, key, value)
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
-    return out.transpose(0, 1)
+    # NOTE: 4-D inputs: torch's CPU flash kernel only takes batched heads; 3-D inputs
+    # fall back to the unfused math path, 2-3x slower on long prompts.
+    out = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=scale)
+    return out[0].transpose(0, 1)
 
 
 def paged_prefill_attention(
@@ -154,8 +174,8 @@ def paged_prefill_attention(
     if mask is None:
         mask = prefill_attention_mask(query_len, context_len, query.device)
     q, k, v = _heads_first(query, key, value)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-    return out.transpose(0, 1)
+    out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, scale=scale)
+    return out[0].transpose(0, 1)
 
 
 def _heads_first(

@@ -16,11 +16,14 @@ from engine.attention import AttentionMetadata, LayerKVCache, paged_attention
 from engine.model_loader import ModelConfig, ModelLoadError
 from kernels import reference as ref
 
+# Modules are built on the meta device (see LlamaForCausalLM) in the model's dtype.
+_META = torch.device("meta")
+
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float, **factory: object) -> None:
+    def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(size, **factory))  # type: ignore[arg-type]
+        self.weight = nn.Parameter(torch.empty(size, device=_META, dtype=dtype))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -28,7 +31,7 @@ class RMSNorm(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, **factory: object) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
@@ -36,10 +39,13 @@ class LlamaAttention(nn.Module):
         self.q_size = config.q_size
         self.kv_size = config.kv_size
         self.scale = config.head_dim**-0.5
+        qkv_size = self.q_size + 2 * self.kv_size
         self.qkv_proj = nn.Linear(
-            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias, **factory
+            config.hidden_size, qkv_size, bias=config.qkv_bias, device=_META, dtype=dtype
         )
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias, **factory)
+        self.o_proj = nn.Linear(
+            self.q_size, config.hidden_size, bias=config.o_bias, device=_META, dtype=dtype
+        )
 
     def forward(
         self,
@@ -63,14 +69,16 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig, **factory: object) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
         inter = config.intermediate_size
         self.intermediate_size = inter
         self.gate_up_proj = nn.Linear(
-            config.hidden_size, 2 * inter, bias=config.mlp_bias, **factory
+            config.hidden_size, 2 * inter, bias=config.mlp_bias, device=_META, dtype=dtype
         )
-        self.down_proj = nn.Linear(inter, config.hidden_size, bias=config.mlp_bias, **factory)
+        self.down_proj = nn.Linear(
+            inter, config.hidden_size, bias=config.mlp_bias, device=_META, dtype=dtype
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2 I]
@@ -79,12 +87,12 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, **factory: object) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **factory)
-        self.self_attn = LlamaAttention(config, **factory)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **factory)
-        self.mlp = LlamaMLP(config, **factory)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.self_attn = LlamaAttention(config, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.mlp = LlamaMLP(config, dtype)
 
     def forward(
         self,
@@ -113,31 +121,26 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         # NOTE: built on the meta device and then materialized empty: random init of
         # every matrix would cost seconds and be overwritten by the checkpoint anyway.
-        factory: dict[str, object] = {"device": "meta", "dtype": dtype}
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, **factory)  # type: ignore[arg-type]
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, **factory) for _ in range(config.num_layers)
+        self.embed_tokens = nn.Embedding(
+            config.vocab_size, config.hidden_size, device=_META, dtype=dtype
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **factory)
-        self.lm_head: nn.Linear | None = None
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, dtype) for _ in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        # None: tied to embed_tokens. A CPU transform may install a packed module here.
+        self.lm_head: nn.Module | None = None
         if not config.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, **factory)  # type: ignore[arg-type]
+            self.lm_head = nn.Linear(
+                config.hidden_size, config.vocab_size, bias=False, device=_META, dtype=dtype
+            )
         self.to_empty(device=device)
 
         num_positions = max_positions or config.max_model_len
-        scaling = config.rope_scaling
-        inv_freq = ref.rope_inv_freq(
-            config.head_dim,
-            config.rope_theta,
-            rope_type=scaling.rope_type if scaling else "default",
-            factor=scaling.factor if scaling else 1.0,
-            low_freq_factor=scaling.low_freq_factor if scaling else 1.0,
-            high_freq_factor=scaling.high_freq_factor if scaling else 4.0,
-            original_max_position_embeddings=(
-                scaling.original_max_position_embeddings if scaling else 8192
-            ),
-        )
+        inv_freq = rope_inv_freq_for(config)
         cos, sin = ref.rope_cos_sin(inv_freq, num_positions)  # [P, D/2] float32
+        self.rope_cos: torch.Tensor
+        self.rope_sin: torch.Tensor
         self.register_buffer("rope_cos", cos.to(device=device, dtype=dtype), persistent=False)
         self.register_buffer("rope_sin", sin.to(device=device, dtype=dtype), persistent=False)
 
@@ -159,8 +162,9 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [S, HID] of the sampling positions only -> float32 logits [S, V]."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.lm_head is None:
+            return F.linear(hidden, self.embed_tokens.weight).float()
+        return self.lm_head(hidden).float()
 
     # ------------------------------------------------------------------ weights
 
@@ -205,6 +209,7 @@ class LlamaForCausalLM(nn.Module):
             "model.norm.weight": (self.norm.weight, None, 0),
         }
         if self.lm_head is not None:
+            assert isinstance(self.lm_head, nn.Linear), "load weights before packing"
             targets["lm_head.weight"] = (self.lm_head.weight, None, 0)
         inter = cfg.intermediate_size
         for i, layer in enumerate(self.layers):
@@ -217,8 +222,11 @@ class LlamaForCausalLM(nn.Module):
                 None,
                 0,
             )
-            qkv_parts = (("q", 0, cfg.q_size), ("k", cfg.q_size, cfg.kv_size))
-            qkv_parts += (("v", cfg.q_size + cfg.kv_size, cfg.kv_size),)
+            qkv_parts = [
+                ("q", 0, cfg.q_size),
+                ("k", cfg.q_size, cfg.kv_size),
+                ("v", cfg.q_size + cfg.kv_size, cfg.kv_size),
+            ]
             kinds = ["weight"] + (["bias"] if cfg.qkv_bias else [])
             for kind in kinds:
                 fused = getattr(attn.qkv_proj, kind)
@@ -232,6 +240,21 @@ class LlamaForCausalLM(nn.Module):
                 targets[f"{p}mlp.up_proj.{kind}"] = (fused, inter, inter)
                 targets[f"{p}mlp.down_proj.{kind}"] = (getattr(mlp.down_proj, kind), None, 0)
         return targets
+
+
+def rope_inv_freq_for(config: ModelConfig) -> torch.Tensor:
+    scaling = config.rope_scaling
+    if scaling is None:
+        return ref.rope_inv_freq(config.head_dim, config.rope_theta)
+    return ref.rope_inv_freq(
+        config.head_dim,
+        config.rope_theta,
+        rope_type=scaling.rope_type,
+        factor=scaling.factor,
+        low_freq_factor=scaling.low_freq_factor,
+        high_freq_factor=scaling.high_freq_factor,
+        original_max_position_embeddings=scaling.original_max_position_embeddings,
+    )
 
 
 def _ignorable(name: str, config: ModelConfig) -> bool:

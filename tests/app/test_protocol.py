@@ -11,7 +11,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -19,7 +18,6 @@ from typing import Any
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from app.core.config import Settings
 from app.main import begin_drain, create_app
@@ -32,6 +30,7 @@ from tests.utils.fake_engine import (
     parse_sse,
     render_chat,
 )
+from tests.utils.live_server import serve_in_thread
 
 MODEL = "fake-model"
 
@@ -536,23 +535,8 @@ async def test_metrics_count_client_aborts() -> None:
 @pytest.fixture
 def live_server() -> Iterator[tuple[str, FakeEngine]]:
     engine = FakeEngine(max_model_len=256)
-    app = create_app(engine, Settings(no_auth=True))
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{port}", engine
-    finally:
-        server.should_exit = True
-        thread.join(10)
-        sock.close()
+    with serve_in_thread(create_app(engine, Settings(no_auth=True))) as base:
+        yield base, engine
 
 
 def test_openai_client_against_real_http(live_server: tuple[str, FakeEngine]) -> None:

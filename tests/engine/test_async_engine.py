@@ -42,7 +42,9 @@ async def test_concurrent_streams_match_hf(engine: AsyncEngine, smollm2_dir: Pat
 async def test_closing_the_stream_aborts_and_frees_blocks(engine: AsyncEngine) -> None:
     total = engine.stats().num_total_blocks
     ids = engine.encode("Tell me a very long story about dragons and knights.")
-    gen = engine.generate("long", ids, SamplingParams(max_tokens=500, temperature=0, ignore_eos=True))
+    gen = engine.generate(
+        "long", ids, SamplingParams(max_tokens=500, temperature=0, ignore_eos=True)
+    )
     seen = 0
     async for _ in gen:
         seen += 1

@@ -8,6 +8,7 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore, RequestRejected
+from engine.model_runner import decode_group_sizes
 from engine.request import Request, RequestOutput, SamplingParams
 from tests.utils.hf_oracle import hf_greedy
 
@@ -28,9 +29,9 @@ def make_core(smollm2_dir: Path, **overrides: object) -> EngineCore:
     return EngineCore(cfg)
 
 
-def run_to_completion(core: EngineCore, requests: list[Request], max_steps: int = 10_000) -> dict[
-    str, list[RequestOutput]
-]:
+def run_to_completion(
+    core: EngineCore, requests: list[Request], max_steps: int = 10_000
+) -> dict[str, list[RequestOutput]]:
     for r in requests:
         core.add_request(r)
     outputs: dict[str, list[RequestOutput]] = {r.request_id: [] for r in requests}
@@ -48,7 +49,9 @@ def token_ids(outs: list[RequestOutput]) -> list[int]:
 
 
 def greedy_request(rid: str, ids: list[int], n: int = NEW_TOKENS) -> Request:
-    return Request(request_id=rid, prompt_token_ids=ids, sampling=SamplingParams(max_tokens=n, temperature=0))
+    return Request(
+        request_id=rid, prompt_token_ids=ids, sampling=SamplingParams(max_tokens=n, temperature=0)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -158,9 +161,30 @@ def test_stop_string_and_max_tokens(smollm2_dir, prompt_ids, expected) -> None:
     assert outs[-1].finish_reason == "stop"
     assert stop not in text
     assert full_text.startswith(text)
-    assert full_text[len(text) :].lstrip().startswith(stop) or full_text[len(text) :].startswith(stop)
+    assert full_text[len(text) :].lstrip().startswith(stop) or full_text[len(text) :].startswith(
+        stop
+    )
 
     core2 = make_core(smollm2_dir)
     outs2 = run_to_completion(core2, [greedy_request("m", prompt_ids[0], n=3)])["m"]
     assert outs2[-1].finish_reason == "length"
     assert token_ids(outs2) == expected[0][:3]
+
+
+@pytest.mark.parametrize("variant", ["llama_gqa", "qwen2_bias", "llama_mha_untied"])
+def test_many_varied_requests_on_tiny_models_match_hf(tiny_model_factory, variant: str) -> None:
+    """Ten concurrent requests of very different lengths: decodes run in several padded
+    groups per step (block size 4), chunked prefill mixes with decodes (budget 48)."""
+    model_dir = tiny_model_factory(variant)
+    core = EngineCore(
+        EngineConfig(model=str(model_dir), block_size=4, max_num_batched_tokens=48, num_threads=1)
+    )
+    lengths = [3, 120, 7, 64, 33, 90, 5, 47, 18, 101]
+    prompts = [[(97 * i + 13 * j) % 4000 + 100 for j in range(n)] for i, n in enumerate(lengths)]
+    reqs = [greedy_request(f"t{i}", p, n=16) for i, p in enumerate(prompts)]
+    outs = run_to_completion(core, reqs)
+    widths = sorted((-(-(n + 8) // 4) for n in lengths), reverse=True)
+    assert len(decode_group_sizes(widths) or []) > 1  # several decode groups were in play
+    for i, p in enumerate(prompts):
+        assert token_ids(outs[f"t{i}"]) == hf_greedy(model_dir, p, 16), (variant, i)
+    assert core.block_manager.num_free_blocks == core.runner.num_blocks

@@ -16,10 +16,12 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
+from engine.model_loader import parse_model_config
 from engine.model_runner import ModelRunner
+from engine.models.llama import rope_inv_freq_for
 from engine.request import Request, SamplingParams, ScheduledChunk, SchedulerOutput
 from kernels import reference as ref
-from tests.utils.tiny_models import VARIANTS, random_prompt
+from tests.utils.tiny_models import BASE_SETTINGS, VARIANTS, random_prompt
 
 # ---------------------------------------------------------------------------- reference ops
 
@@ -36,8 +38,9 @@ def _scrambled_cache(
     for k, v in zip(keys, values, strict=True):
         n = math.ceil(k.shape[0] / block_size)
         blocks, order = order[:n], order[n:]
-        slots = torch.tensor([blocks[i // block_size] * block_size + i % block_size
-                              for i in range(k.shape[0])])
+        slots = torch.tensor(
+            [blocks[i // block_size] * block_size + i % block_size for i in range(k.shape[0])]
+        )
         ref.write_kv_cache(k, v, key_cache, value_cache, slots)
         tables.append(blocks)
     return key_cache, value_cache, tables
@@ -103,27 +106,16 @@ def test_rope_tables_match_transformers(variant: str) -> None:
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-    from engine.model_loader import parse_model_config
-    from tests.utils.tiny_models import _BASE
-
-    settings = {**_BASE, **VARIANTS[variant][1]}
+    settings = {**BASE_SETTINGS, **VARIANTS[variant][1]}
     hf_config = LlamaConfig(**settings)
     ours = parse_model_config(hf_config.to_dict())
-    scaling = ours.rope_scaling
-    kwargs = {} if scaling is None else {
-        "rope_type": scaling.rope_type,
-        "factor": scaling.factor,
-        "low_freq_factor": scaling.low_freq_factor,
-        "high_freq_factor": scaling.high_freq_factor,
-        "original_max_position_embeddings": scaling.original_max_position_embeddings,
-    }
-    inv_freq = ref.rope_inv_freq(ours.head_dim, ours.rope_theta, **kwargs)
+    inv_freq = rope_inv_freq_for(ours)
     cos, sin = ref.rope_cos_sin(inv_freq, 200)
     positions = torch.arange(200)[None]
     hf_cos, hf_sin = LlamaRotaryEmbedding(hf_config)(torch.zeros(1, 1, 1), positions)
     assert torch.equal(torch.cat((cos, cos), -1), hf_cos[0])
     assert torch.equal(torch.cat((sin, sin), -1), hf_sin[0])
-    if scaling is not None:  # the scaling really changes the table
+    if ours.rope_scaling is not None:  # the scaling really changes the table
         plain = ref.rope_inv_freq(ours.head_dim, ours.rope_theta)
         assert not torch.equal(plain, inv_freq)
 
@@ -186,10 +178,12 @@ class GreedyLoop:
                 n = min(self.chunk_size, r.num_prompt_tokens - r.num_computed_tokens)
                 self._grow(r, r.num_computed_tokens + n)
                 chunks.append(ScheduledChunk(r, r.num_computed_tokens, n))
-            self.trace.append((
-                [r.request_id for r in decodes],
-                [(c.request.request_id, c.start, c.num_tokens) for c in chunks[len(decodes):]],
-            ))
+            self.trace.append(
+                (
+                    [r.request_id for r in decodes],
+                    [(c.request.request_id, c.start, c.num_tokens) for c in chunks[len(decodes) :]],
+                )
+            )
             sampling = [c for c in chunks if c.samples]
             logits = self.runner.execute(SchedulerOutput(chunks))
             assert logits.shape == (len(sampling), self.runner.vocab_size)
@@ -249,9 +243,7 @@ def run_scenario(
     )
     # The scenario really mixed work: batched decodes beside a prefill chunk that starts
     # mid-prompt, and c's first chunk starting after the shared blocks.
-    assert any(
-        len(decs) >= 2 and any(start > 0 for _, start, _ in pre) for decs, pre in loop.trace
-    )
+    assert any(len(decs) >= 2 and any(start > 0 for _, start, _ in pre) for decs, pre in loop.trace)
     c_chunks = [(s, n) for _, pre in loop.trace for rid, s, n in pre if rid == "c"]
     assert c_chunks[0][0] == shared_blocks * bs
     return outputs, loop
@@ -296,10 +288,12 @@ def test_smollm2_greedy_matches_transformers(smollm2_dir: Path) -> None:
     tok = runner.tokenizer
 
     def chat(text: str) -> list[int]:
-        ids = tok.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+        messages = [{"role": "user", "content": text}]
+        return list(
+            tok.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=True, return_dict=False
+            )
         )
-        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
     prompts = {
         "a": chat("What is the capital of France?"),

@@ -49,7 +49,10 @@ def test_default_model_converts_once_and_reads_as_smollm2(smollm2_dir: Path) -> 
     assert "lm_head.weight" not in load_file(str(weights))
     cfg = load_model_config(smollm2_dir)
     assert (cfg.model_type, cfg.num_layers, cfg.hidden_size, cfg.intermediate_size) == (
-        "llama", 30, 576, 1536,
+        "llama",
+        30,
+        576,
+        1536,
     )
     assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size) == (9, 3, 64, 49152)
     assert cfg.tie_word_embeddings is True
@@ -272,10 +275,18 @@ def test_old_and_new_rope_spellings_agree() -> None:
 
 
 def test_llama3_rope_fields() -> None:
-    cfg = parse_model_config({**_LLAMA, "rope_scaling": {
-        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
-    }})
+    cfg = parse_model_config(
+        {
+            **_LLAMA,
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+            },
+        }
+    )
     assert cfg.rope_scaling == RopeScaling("llama3", 8.0, 1.0, 4.0, 8192)
     with pytest.raises(ModelLoadError, match="llama3 rope scaling is missing 'low_freq_factor'"):
         parse_model_config({**_LLAMA, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}})

@@ -92,19 +92,19 @@ def test_prepare_inputs_layout(tiny_model_factory) -> None:
     assert inputs.input_ids.tolist() == [7, 6, *range(306, 318), 400, 401, 402, 403]
     assert inputs.positions.tolist() == [10, 4, *range(6, 18), 0, 1, 2, 3]
     meta = inputs.metadata
-    assert meta.slot_mapping.tolist() == [
-        3 * 8 + 2,  # r1 position 10: block 1 of [9, 3], offset 2
-        12 * 8 + 4,
-        22, 23, *range(48, 56), 88, 89,  # r3 positions 6..17 over blocks 2, 6, 11
-        8, 9, 10, 11,
-    ]
+    r1_slot = 3 * 8 + 2  # position 10: block 1 of [9, 3], offset 2
+    r2_slot = 12 * 8 + 4
+    r3_slots = [22, 23, *range(48, 56), 88, 89]  # positions 6..17 over blocks 2, 6, 11
+    r4_slots = [8, 9, 10, 11]
+    assert meta.slot_mapping.tolist() == [r1_slot, r2_slot, *r3_slots, *r4_slots]
     assert meta.num_decode_tokens == 2
     assert meta.decode_block_tables is not None and meta.decode_context_lens is not None
     assert meta.decode_block_tables.tolist() == [[9, 3], [12, 0]]
     assert meta.decode_context_lens.tolist() == [11, 5]
     assert meta.decode_mask is not None and meta.decode_mask.shape == (2, 1, 1, 16)
-    assert [(p.query_start, p.query_len, p.context_len, p.block_ids.tolist())
-            for p in meta.prefills] == [(2, 12, 18, [2, 6, 11]), (14, 4, 4, [1])]
+    assert [
+        (p.query_start, p.query_len, p.context_len, p.block_ids.tolist()) for p in meta.prefills
+    ] == [(2, 12, 18, [2, 6, 11]), (14, 4, 4, [1])]
     assert meta.prefills[0].mask is not None and meta.prefills[1].mask is None
     assert inputs.sample_indices.tolist() == [0, 1, 17]
 
@@ -161,8 +161,13 @@ def test_execute_matches_transformers_over_steps(variant: str, tiny_model_factor
     assert runner.execute(SchedulerOutput([])).shape == (0, vocab)
     expected = _hf_last_logits(
         model_dir,
-        [a.prompt_token_ids, c.prompt_token_ids, a.all_token_ids, c.all_token_ids,
-         b.prompt_token_ids],
+        [
+            a.prompt_token_ids,
+            c.prompt_token_ids,
+            a.all_token_ids,
+            c.all_token_ids,
+            b.prompt_token_ids,
+        ],
     )
     got = [logits1[0], logits1[1], logits2[0], logits2[1], logits2[2]]
     for ours, theirs in zip(got, expected, strict=True):

@@ -17,7 +17,7 @@ import torch
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 SMOLLM2_VOCAB = 49152
 
-_BASE: dict[str, Any] = {
+BASE_SETTINGS: dict[str, Any] = {
     "vocab_size": SMOLLM2_VOCAB,
     "hidden_size": 64,
     "intermediate_size": 128,
@@ -32,7 +32,7 @@ _BASE: dict[str, Any] = {
     "tie_word_embeddings": True,
 }
 
-# name -> (model_type, overrides of _BASE)
+# name -> (model_type, overrides of BASE_SETTINGS)
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama_gqa": ("llama", {}),
     "llama_mha_untied": (
@@ -88,7 +88,7 @@ def make_tiny_model(
     from transformers import AutoModelForCausalLM
 
     model_type, variant_settings = VARIANTS[variant]
-    settings = {**_BASE, **variant_settings, **overrides}
+    settings = {**BASE_SETTINGS, **variant_settings, **overrides}
     config = _hf_config(model_type, settings)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
