@@ -123,20 +123,15 @@ class EngineCore:
         if request.first_token_time is None:
             request.first_token_time = now
         new_logprobs = [logprob] if logprob is not None else []
-        if logprob is not None:
-            request.logprobs.append(logprob)
 
         status: RequestStatus | None = None
         text = ""
-        token_texts: list[str] = []
         if (not params.ignore_eos and token_id in self.eos_token_ids) or (
             token_id in params.stop_token_ids
         ):
             status = RequestStatus.FINISHED_STOPPED
-            token_texts.append("")
         else:
             text, stopped = tracked.detokenizer.add_token(token_id)
-            token_texts.append(self.token_text(token_id))
             if stopped:
                 status = RequestStatus.FINISHED_STOPPED
         if status is None and (
@@ -145,10 +140,12 @@ class EngineCore:
         ):
             status = RequestStatus.FINISHED_LENGTH
         if status is not None:
-            if status != RequestStatus.FINISHED_STOPPED or not tracked.detokenizer.stopped:
-                text += tracked.detokenizer.flush()
+            # Text held back as a possible stop-string prefix is released ("" after a stop).
+            text += tracked.detokenizer.flush()
             self.scheduler.finish_request(request, status)
             del self._tracked[request.request_id]
+        # Per-token text is only reported alongside logprobs.
+        token_texts = [self.token_text(token_id)] if logprob is not None else []
         return self._output(request, [token_id], text, new_logprobs, token_texts)
 
     def token_text(self, token_id: int) -> str:

@@ -12,6 +12,7 @@ import torch
 
 from engine.attention import AttentionMetadata, LayerKVCache, PrefillSequence, allocate_kv_cache
 from engine.config import EngineConfig
+from engine.host_memory import keep_freed_activation_memory
 from engine.model_loader import (
     ModelConfig,
     iter_safetensors,
@@ -88,6 +89,8 @@ class ModelRunner:
         )
         self.model.load_weights(iter_safetensors(self.model_dir))
         self.model.eval()
+        if self.device.type == "cpu":
+            keep_freed_activation_memory()
         if config.pack_cpu_weights and packing_available(self.device, self.dtype):
             tied = self.model.embed_tokens.weight if self.model.lm_head is None else None
             num_packed = pack_linears(self.model, lm_head_weight=tied)

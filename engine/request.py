@@ -96,8 +96,6 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     num_preemptions: int = 0
     generator: torch.Generator | None = None
-    # Filled by the engine as tokens are sampled.
-    logprobs: list[TokenLogprob] = field(default_factory=list)
     first_token_time: float | None = None
 
     def __post_init__(self) -> None:
@@ -175,5 +173,5 @@ class RequestOutput:
     num_output_tokens: int
     num_cached_tokens: int
     new_logprobs: list[TokenLogprob] = field(default_factory=list)
-    # Text pieces of each new token (for logprobs responses); same length as new_token_ids.
+    # Text of each new token, only when logprobs were asked for (same length as new_logprobs).
     new_token_texts: list[str] = field(default_factory=list)
