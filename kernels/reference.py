@@ -64,6 +64,27 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
+def interleave_rope_rows(weight: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Reorder each head's rows [x_0 .. x_{D/2-1}, y_0 .. y_{D/2-1}] as [x_0, y_0, x_1, ...].
+
+    weight [N * D, ...] (a q or k projection's weight or bias). Attention scores are
+    unchanged when q and k share the permutation, and rotate-half rope on the original
+    layout equals `apply_rope_interleaved` on the permuted one.
+    """
+    rows = weight.shape[0]
+    assert rows % head_dim == 0 and head_dim % 2 == 0, (weight.shape, head_dim)
+    halves = weight.reshape(rows // head_dim, 2, head_dim // 2, *weight.shape[1:])
+    return halves.transpose(1, 2).reshape(weight.shape)
+
+
+def apply_rope_interleaved(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    """Rope on pair-interleaved heads. x [T, N, D] (pairs (2i, 2i+1)); rope [T, 1, D / 2]
+    complex cos + i sin -> [T, N, D]. Same values as apply_rope on the unpermuted layout."""
+    num_tokens, num_heads, head_dim = x.shape
+    pairs = torch.view_as_complex(x.reshape(num_tokens, num_heads, head_dim // 2, 2))
+    return torch.view_as_real(pairs * rope).reshape(num_tokens, num_heads, head_dim)
+
+
 def write_kv_cache(
     key: torch.Tensor,
     value: torch.Tensor,

@@ -50,8 +50,7 @@ class LlamaAttention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rope: torch.Tensor,
         cache: LayerKVCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
@@ -61,7 +60,7 @@ class LlamaAttention(nn.Module):
         qk = qkv[:, : self.q_size + self.kv_size].view(
             num_tokens, self.num_heads + self.num_kv_heads, self.head_dim
         )
-        qk = ref.apply_rope(qk, cos, sin)
+        qk = ref.apply_rope_interleaved(qk, rope)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         out = paged_attention(q, k, v, cache, meta, self.scale)  # [T, H, D]
@@ -97,12 +96,11 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rope: torch.Tensor,
         cache: LayerKVCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, meta)
+        x = x + self.self_attn(self.input_layernorm(x), rope, cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -139,10 +137,13 @@ class LlamaForCausalLM(nn.Module):
         num_positions = max_positions or config.max_model_len
         inv_freq = rope_inv_freq_for(config)
         cos, sin = ref.rope_cos_sin(inv_freq, num_positions)  # [P, D/2] float32
-        self.rope_cos: torch.Tensor
-        self.rope_sin: torch.Tensor
-        self.register_buffer("rope_cos", cos.to(device=device, dtype=dtype), persistent=False)
-        self.register_buffer("rope_sin", sin.to(device=device, dtype=dtype), persistent=False)
+        # NOTE: q and k rows are stored with each rotated pair interleaved (see
+        # load_weights), so rope is one complex multiply by cos + i sin.
+        self.rope: torch.Tensor
+        rope = torch.complex(cos, sin).to(device=device)
+        if dtype != torch.float32:
+            rope = rope.to(torch.complex64 if dtype != torch.float64 else torch.complex128)
+        self.register_buffer("rope", rope, persistent=False)
 
     def forward(
         self,
@@ -153,11 +154,10 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions [T] -> final hidden states [T, HID]."""
         assert len(kv_caches) == len(self.layers)
-        cos = self.rope_cos[positions].unsqueeze(1)  # [T, 1, D/2], shared by all layers
-        sin = self.rope_sin[positions].unsqueeze(1)
+        rope = self.rope[positions].unsqueeze(1)  # [T, 1, D/2] complex, shared by all layers
         x = self.embed_tokens(input_ids)
         for layer, cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, cos, sin, cache, meta)
+            x = layer(x, rope, cache, meta)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -183,6 +183,8 @@ class LlamaForCausalLM(nn.Module):
                     continue
                 param, start, length = target
                 dest = param if start is None else param.narrow(0, start, length)
+                if _is_rotated(name):
+                    tensor = ref.interleave_rope_rows(tensor, self.config.head_dim)
                 if tuple(tensor.shape) != tuple(dest.shape):
                     raise ModelLoadError(
                         f"tensor {name} has shape {list(tensor.shape)}, "
@@ -262,3 +264,8 @@ def _ignorable(name: str, config: ModelConfig) -> bool:
     if name.endswith("rotary_emb.inv_freq"):
         return True
     return name == "lm_head.weight" and config.tie_word_embeddings
+
+
+def _is_rotated(name: str) -> bool:
+    """q and k projections (weights and biases): the rows rope rotates."""
+    return ".self_attn.q_proj." in name or ".self_attn.k_proj." in name

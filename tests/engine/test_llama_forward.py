@@ -307,3 +307,26 @@ def test_smollm2_greedy_matches_transformers(smollm2_dir: Path) -> None:
     assert tok.decode(ours["a"], skip_special_tokens=True) == "The capital of France is Paris."
     for name in prompts:
         assert ours[name] == expected[name], (name, tok.decode(ours[name]))
+
+
+@pytest.mark.parametrize("head_dim", [8, 64])
+def test_interleaved_rope_equals_rotate_half_on_permuted_rows(head_dim: int) -> None:
+    gen = torch.Generator().manual_seed(head_dim)
+    num_heads, hidden, num_tokens = 3, 16, 5
+    weight = torch.randn(num_heads * head_dim, hidden, generator=gen)
+    x = torch.randn(num_tokens, hidden, generator=gen)
+    positions = torch.tensor([0, 1, 7, 30, 99])
+    cos, sin = ref.rope_cos_sin(ref.rope_inv_freq(head_dim, 10000.0), 100)
+    plain = (x @ weight.T).view(num_tokens, num_heads, head_dim)
+    want = ref.apply_rope(plain, cos[positions][:, None], sin[positions][:, None])
+    permuted = (x @ ref.interleave_rope_rows(weight, head_dim).T).view(
+        num_tokens, num_heads, head_dim
+    )
+    rope = torch.complex(cos, sin)[positions][:, None]
+    got = ref.apply_rope_interleaved(permuted, rope)
+    # Same values, pair-interleaved: undo the permutation on the output rows.
+    half = head_dim // 2
+    unpermuted = torch.cat((got[..., 0::2], got[..., 1::2]), dim=-1)
+    torch.testing.assert_close(unpermuted, want, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(permuted, plain)  # the rows really moved
+    assert unpermuted.shape == (num_tokens, num_heads, 2 * half)
