@@ -27,6 +27,7 @@ def _range(value: str) -> tuple[int, int]:
 @click.option("--hf-batch-size", default=8, show_default=True)
 @click.option("--hf-single-requests", default=4, show_default=True)
 @click.option("--skip-hf", is_flag=True, help="engine only, no baseline")
+@click.option("--repeats", default=1, show_default=True, help="alternating runs; best compared")
 @click.option("--serve-arg", "serve_args", multiple=True, help="extra flag for `serve`")
 @click.option("--output", type=click.Path(path_type=Path), default=None)
 def throughput(
@@ -39,6 +40,7 @@ def throughput(
     hf_batch_size: int,
     hf_single_requests: int,
     skip_hf: bool,
+    repeats: int,
     serve_args: tuple[str, ...],
     output: Path | None,
 ) -> None:
@@ -56,6 +58,7 @@ def throughput(
             hf_batch_size=hf_batch_size,
             hf_single_requests=hf_single_requests,
             skip_hf=skip_hf,
+            repeats=repeats,
             serve_args=[a for arg in serve_args for a in arg.split()],
             output=output,
         )
