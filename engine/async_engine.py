@@ -151,6 +151,7 @@ class AsyncEngine:
             priority=priority,
         )
         # Reject up front, in the caller's thread, what the core would refuse.
+        self.core.check_prompt_ids(request.prompt_token_ids)
         self.core.check_request(request.num_prompt_tokens, sampling.max_tokens)
         stream = _Stream(loop=asyncio.get_running_loop())
         with self._lock:

@@ -77,9 +77,21 @@ class EngineCore:
                 param="max_tokens",
             )
 
+    def check_prompt_ids(self, prompt_token_ids: list[int]) -> None:
+        """Raise RequestRejected for token ids outside the model's vocabulary."""
+        vocab = self.runner.vocab_size
+        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RequestRejected(
+                f"Token id {bad} is outside this model's vocabulary (0..{vocab - 1}).",
+                code="invalid_prompt",
+                param="prompt",
+            )
+
     def add_request(self, request: Request) -> None:
         if request.request_id in self._tracked:
             raise ValueError(f"duplicate request id {request.request_id!r}")
+        self.check_prompt_ids(request.prompt_token_ids)
         self.check_request(request.num_prompt_tokens, request.sampling.max_tokens)
         if request.eos_token_id is None and self.tokenizer.eos_token_id is not None:
             request.eos_token_id = self.tokenizer.eos_token_id

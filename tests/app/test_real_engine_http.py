@@ -138,6 +138,9 @@ def test_errors_raise_the_right_exceptions_and_server_keeps_serving(client, serv
     assert long_err.value.code == "context_length_exceeded"
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=model, prompt="")
+    with pytest.raises(openai.BadRequestError) as vocab_err:
+        client.completions.create(model=model, prompt=[1, 49152 + 7], max_tokens=2)
+    assert "vocabulary" in vocab_err.value.message
     raw = httpx.post(
         f"{served[0]}/v1/chat/completions",
         content=b'{"model": "x", "messages": [',
