@@ -136,11 +136,6 @@ class AttentionMetadata:
         self.decode_gather = flat[0] if len(flat) == 1 else torch.cat(flat)
 
     @property
-    def decode_mask(self) -> torch.Tensor | None:
-        """The mask of a single decode group (tests and one-group steps)."""
-        return self.decode_groups[0].mask if len(self.decode_groups) == 1 else None
-
-    @property
     def num_tokens(self) -> int:
         return self.slot_mapping.shape[0]
 

@@ -81,8 +81,11 @@ def apply_rope_interleaved(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     """Rope on pair-interleaved heads. x [T, N, D] (pairs (2i, 2i+1)); rope [T, 1, D / 2]
     complex cos + i sin -> [T, N, D]. Same values as apply_rope on the unpermuted layout."""
     num_tokens, num_heads, head_dim = x.shape
-    pairs = torch.view_as_complex(x.reshape(num_tokens, num_heads, head_dim // 2, 2))
-    return torch.view_as_real(pairs * rope).reshape(num_tokens, num_heads, head_dim)
+    # Complex views exist for float32/float64 only: bf16/fp16 heads rotate in float32.
+    wide = x if x.dtype in (torch.float32, torch.float64) else x.float()
+    pairs = torch.view_as_complex(wide.reshape(num_tokens, num_heads, head_dim // 2, 2))
+    out = torch.view_as_real(pairs * rope).reshape(num_tokens, num_heads, head_dim)
+    return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
 def write_kv_cache(

@@ -139,11 +139,9 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = ref.rope_cos_sin(inv_freq, num_positions)  # [P, D/2] float32
         # NOTE: q and k rows are stored with each rotated pair interleaved (see
         # load_weights), so rope is one complex multiply by cos + i sin.
+        # Complex64 whatever the model's dtype: half-precision q/k are rotated in float32.
         self.rope: torch.Tensor
-        rope = torch.complex(cos, sin).to(device=device)
-        if dtype != torch.float32:
-            rope = rope.to(torch.complex64 if dtype != torch.float64 else torch.complex128)
-        self.register_buffer("rope", rope, persistent=False)
+        self.register_buffer("rope", torch.complex(cos, sin).to(device=device), persistent=False)
 
     def forward(
         self,
@@ -183,13 +181,13 @@ class LlamaForCausalLM(nn.Module):
                     continue
                 param, start, length = target
                 dest = param if start is None else param.narrow(0, start, length)
-                if _is_rotated(name):
-                    tensor = ref.interleave_rope_rows(tensor, self.config.head_dim)
                 if tuple(tensor.shape) != tuple(dest.shape):
                     raise ModelLoadError(
                         f"tensor {name} has shape {list(tensor.shape)}, "
                         f"the config expects {list(dest.shape)}"
                     )
+                if _is_rotated(name):
+                    tensor = ref.interleave_rope_rows(tensor, self.config.head_dim)
                 dest.copy_(tensor)
                 pending.discard(name)
         if unexpected:

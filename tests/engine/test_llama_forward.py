@@ -330,3 +330,14 @@ def test_interleaved_rope_equals_rotate_half_on_permuted_rows(head_dim: int) -> 
     torch.testing.assert_close(unpermuted, want, rtol=1e-5, atol=1e-5)
     assert not torch.allclose(permuted, plain)  # the rows really moved
     assert unpermuted.shape == (num_tokens, num_heads, 2 * half)
+
+
+def test_interleaved_rope_rotates_half_precision_in_float32() -> None:
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 2, 16, generator=gen)
+    cos, sin = ref.rope_cos_sin(ref.rope_inv_freq(16, 10000.0), 4)
+    rope = torch.complex(cos, sin)[:, None]
+    want = ref.apply_rope_interleaved(x, rope)
+    got = ref.apply_rope_interleaved(x.to(torch.bfloat16), rope)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)

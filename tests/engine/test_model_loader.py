@@ -218,6 +218,17 @@ def test_wrong_shape_is_named(tiny_dir: Path) -> None:
     )
 
 
+def test_wrong_shape_of_a_rotated_projection_is_named(tiny_dir: Path) -> None:
+    weights = load_file(str(tiny_dir / "model.safetensors"))
+    weights["model.layers.0.self_attn.q_proj.weight"] = torch.ones(63, 64)
+    save_file(weights, str(tiny_dir / "model.safetensors"))
+    with pytest.raises(ModelLoadError) as e:
+        ModelRunner(EngineConfig(kv_cache_tokens=64, num_threads=1), tiny_dir)
+    assert str(e.value).startswith(
+        "tensor model.layers.0.self_attn.q_proj.weight has shape [63, 64], the config expects"
+    )
+
+
 def test_sharded_checkpoint_loads_like_single_file(
     tmp_path: Path, smollm2_dir: Path, tiny_dir: Path
 ) -> None:

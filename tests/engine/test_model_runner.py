@@ -101,7 +101,7 @@ def test_prepare_inputs_layout(tiny_model_factory) -> None:
     assert meta.decode_block_tables is not None and meta.decode_context_lens is not None
     assert meta.decode_block_tables.tolist() == [[9, 3], [12, 0]]
     assert meta.decode_context_lens.tolist() == [11, 5]
-    assert meta.decode_mask is not None and meta.decode_mask.shape == (2, 1, 1, 16)
+    assert [tuple(g.mask.shape) for g in meta.decode_groups] == [(2, 1, 1, 16)]
     assert [
         (p.query_start, p.query_len, p.context_len, p.block_ids.tolist()) for p in meta.prefills
     ] == [(2, 12, 18, [2, 6, 11]), (14, 4, 4, [1])]
