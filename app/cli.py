@@ -90,6 +90,7 @@ async def serve_engine(
     logger.info("loading model %s", config.model)
     await engine.start()
     try:
+        await preload_adapters(engine, settings.preload_loras)
         app = create_app(engine, settings)
         if on_ready is not None:
             on_ready(engine, settings)
@@ -97,6 +98,27 @@ async def serve_engine(
         await engine.shutdown()
         raise
     await serve_app(app, engine, settings)
+
+
+async def preload_adapters(engine: EngineClient, loras: dict[str, Path]) -> list[str]:
+    """Serve each `--lora NAME=PATH`; a refused adapter is logged with its reason and the
+    others are served anyway. Returns the names refused."""
+    refused: list[str] = []
+    for name, path in loras.items():
+        try:
+            info = await engine.add_adapter(name, str(path))
+        except ValueError as exc:
+            logger.error("adapter %s (%s) refused: %s", name, path, exc)
+            refused.append(name)
+            continue
+        logger.info(
+            "adapter %s: rank %d, targets %s, from %s",
+            name,
+            info.rank,
+            ",".join(info.target_modules),
+            path,
+        )
+    return refused
 
 
 def _parse_loras(

@@ -5,10 +5,15 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
-from engine.client import EngineClient
+from engine.client import AdapterCacheCounters, EngineClient
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
@@ -64,6 +69,69 @@ class _EngineCollector(Collector):
         )
 
 
+        yield GaugeMetricFamily(
+            "loraplex_adapters_registered", "LoRA adapters served.", value=stats.num_adapters
+        )
+        cache = stats.adapter_cache
+        if cache is None:
+            return
+        yield from _adapter_cache_metrics(cache)
+
+
+def _adapter_cache_metrics(cache: AdapterCacheCounters) -> Iterator[Metric]:
+    residency = GaugeMetricFamily(
+        "loraplex_adapters_resident",
+        "Adapters resident per cache tier (device slots, host memory).",
+        labels=["tier"],
+    )
+    residency.add_metric(["device"], cache.num_device)
+    residency.add_metric(["host"], cache.num_host)
+    yield residency
+    capacity = GaugeMetricFamily(
+        "loraplex_adapter_cache_capacity", "Adapters each cache tier holds.", labels=["tier"]
+    )
+    capacity.add_metric(["device"], cache.device_slots)
+    capacity.add_metric(["host"], cache.host_capacity)
+    yield capacity
+    lookups = CounterMetricFamily(
+        "loraplex_adapter_cache_lookups",
+        "Adapter slot lookups when a request starts running: hit (already in a device "
+        "slot) or miss (copied in from host memory).",
+        labels=["result"],
+    )
+    lookups.add_metric(["hit"], cache.device_hits)
+    lookups.add_metric(["miss"], cache.device_misses)
+    yield lookups
+    yield CounterMetricFamily(
+        "loraplex_adapter_loads", "Adapter loads from disk started.", value=cache.loads
+    )
+    yield CounterMetricFamily(
+        "loraplex_adapter_load_failures", "Adapter loads from disk that failed.",
+        value=cache.load_failures,
+    )
+    evictions = CounterMetricFamily(
+        "loraplex_adapter_evictions", "Adapters evicted per cache tier.", labels=["tier"]
+    )
+    evictions.add_metric(["device"], cache.device_evictions)
+    evictions.add_metric(["host"], cache.host_evictions)
+    yield evictions
+    yield GaugeMetricFamily(
+        "loraplex_adapter_loads_in_progress",
+        "Adapter loads from disk running or queued.",
+        value=cache.num_loading + cache.num_queued,
+    )
+    buckets = [
+        ("+Inf" if bound == float("inf") else repr(float(bound)), count)
+        for bound, count in cache.load_latency_buckets
+    ]
+    yield HistogramMetricFamily(
+        "loraplex_adapter_load_seconds",
+        "Time from disk to host memory of adapter loads (read and validation).",
+        buckets=buckets,
+        sum_value=cache.load_latency_sum,
+    )
+
+
 class Metrics:
     def __init__(self, engine: EngineClient) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
@@ -85,6 +153,25 @@ class Metrics:
         )
         self.generation_tokens = Counter(
             "loraplex_generation_tokens", "Generated tokens.", registry=self.registry
+        )
+        # Per model (the base model id or an adapter name): requests and tokens.
+        self.model_requests = Counter(
+            "loraplex_model_requests",
+            "Engine requests (one per choice) finished, by model or adapter.",
+            ["model"],
+            registry=self.registry,
+        )
+        self.model_prompt_tokens = Counter(
+            "loraplex_model_prompt_tokens",
+            "Prompt tokens by model or adapter.",
+            ["model"],
+            registry=self.registry,
+        )
+        self.model_generation_tokens = Counter(
+            "loraplex_model_generation_tokens",
+            "Generated tokens by model or adapter.",
+            ["model"],
+            registry=self.registry,
         )
         self.time_to_first_token = Histogram(
             "loraplex_time_to_first_token_seconds",
@@ -118,11 +205,17 @@ class Metrics:
         num_prompt_tokens: int,
         num_output_tokens: int,
         finish_reason: str,
+        model: str | None = None,
     ) -> None:
-        """One engine request (one choice) is over; times are `time.monotonic()` values."""
+        """One engine request (one choice) is over; times are `time.monotonic()` values.
+        `model`: the base model id or adapter name it ran on."""
         self.requests_finished.labels(finish_reason=finish_reason).inc()
         self.prompt_tokens.inc(num_prompt_tokens)
         self.generation_tokens.inc(num_output_tokens)
+        if model is not None:
+            self.model_requests.labels(model=model).inc()
+            self.model_prompt_tokens.labels(model=model).inc(num_prompt_tokens)
+            self.model_generation_tokens.labels(model=model).inc(num_output_tokens)
         if first_token is None:
             return
         self.time_to_first_token.observe(first_token - arrival)

@@ -63,3 +63,60 @@ def throughput(
             output=output,
         )
     )
+
+
+@bench.command("kernels")
+@click.option(
+    "--tokens", "num_tokens", multiple=True, type=int, default=(16, 64, 256), show_default=True
+)
+@click.option(
+    "--popularity",
+    multiple=True,
+    type=click.Choice(["identical", "distinct", "skewed"]),
+    default=("identical", "distinct"),
+    show_default=True,
+)
+@click.option("--rank", default=16, show_default=True, help="every adapter's rank")
+@click.option("--max-rank", default=64, show_default=True, help="the slot buffers' R")
+@click.option(
+    "--dtype",
+    type=click.Choice(["bfloat16", "float16", "float32"]),
+    default="bfloat16",
+    show_default=True,
+)
+@click.option("--warmup", default=10, show_default=True)
+@click.option("--iters", default=50, show_default=True, help="timed runs; the median is kept")
+@click.option("--seed", default=0, show_default=True)
+@click.option(
+    "--output",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="JSON report [default: bench/results/kernels-<timestamp>.json]",
+)
+def kernels(
+    num_tokens: tuple[int, ...],
+    popularity: tuple[str, ...],
+    rank: int,
+    max_rank: int,
+    dtype: str,
+    warmup: int,
+    iters: int,
+    seed: int,
+    output: Path | None,
+) -> None:
+    """Triton lora_shrink / lora_expand vs the torch reference and gather-bmm (CUDA only)."""
+    from bench.kernels import KernelsOptions, run_kernels
+
+    run_kernels(
+        KernelsOptions(
+            num_tokens=num_tokens,
+            popularity=popularity,
+            rank=rank,
+            max_rank=max_rank,
+            dtype=dtype,
+            warmup=warmup,
+            iters=iters,
+            seed=seed,
+            output=output,
+        )
+    )

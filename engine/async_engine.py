@@ -11,12 +11,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine.client import EngineStats
+from engine.client import AdapterCacheCounters, AdapterInfo, EngineStats
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore
 from engine.request import Request, RequestOutput, SamplingParams
 
 log = logging.getLogger("loraplex.engine")
+
+# With requests queued but nothing runnable (adapters loading), the step thread sleeps at
+# most this long between checks; a finished load wakes it at once.
+_IDLE_WAIT_S = 0.05
 
 
 class EngineDeadError(RuntimeError):
@@ -62,6 +66,7 @@ class AsyncEngine:
 
     def start_loop(self) -> None:
         assert self._core is not None
+        self._core.wakeup = self._wake
         self._thread = threading.Thread(target=self._run, name="loraplex-engine", daemon=True)
         self._thread.start()
 
@@ -71,6 +76,8 @@ class AsyncEngine:
             self._lock.notify_all()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 30.0)
+        if self._core is not None and self._core.adapter_cache is not None:
+            self._core.adapter_cache.close()
         self._fail_all(EngineDeadError("engine shut down"))
 
     @property
@@ -114,6 +121,27 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         core = self.core
         bm = core.block_manager
+        cache = core.adapter_cache
+        counters: AdapterCacheCounters | None = None
+        if cache is not None:
+            c = cache.stats()
+            hist = c.load_latency
+            counters = AdapterCacheCounters(
+                device_hits=c.device_hits,
+                device_misses=c.device_misses,
+                loads=c.loads,
+                load_failures=c.load_failures,
+                device_evictions=c.device_evictions,
+                host_evictions=c.host_evictions,
+                num_device=c.num_device,
+                num_host=c.num_host,
+                num_loading=c.num_loading,
+                num_queued=c.num_queued,
+                device_slots=self.config.max_loras,
+                host_capacity=self.config.max_cpu_loras,
+                load_latency_buckets=list(zip(hist.bounds, hist.cumulative_counts, strict=True)),
+                load_latency_sum=hist.sum,
+            )
         return EngineStats(
             num_running=core.scheduler.num_running,
             num_waiting=core.scheduler.num_waiting,
@@ -123,7 +151,27 @@ class AsyncEngine:
             num_preemptions=core.scheduler.num_preemptions,
             prefix_cache_hits=bm.prefix_cache_hits,
             prefix_cache_queries=bm.prefix_cache_queries,
+            num_adapters=len(core.list_adapters()),
+            adapter_cache=counters,
         )
+
+    def get_adapter(self, name: str) -> AdapterInfo | None:
+        return self.core.get_adapter(name)
+
+    def list_adapters(self) -> list[AdapterInfo]:
+        return self.core.list_adapters()
+
+    async def add_adapter(self, name: str, path: str) -> AdapterInfo:
+        # Reading and validating the files runs off both the event loop and the step loop.
+        weights = await asyncio.to_thread(self.core.load_adapter, name, path)
+        info = self.core.register_adapter(name, weights)
+        self._wake()
+        return info
+
+    async def remove_adapter(self, name: str) -> bool:
+        removed = self.core.remove_adapter(name)
+        self._wake()
+        return removed
 
     def check_request(self, num_prompt_tokens: int, max_tokens: int) -> None:
         self.core.check_request(num_prompt_tokens, max_tokens)
@@ -146,7 +194,7 @@ class AsyncEngine:
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
             sampling=sampling,
-            adapter_id=adapter_id,
+            adapter_id=adapter_id,  # the adapter's name; the core binds it to a version
             salt=salt,
             priority=priority,
         )
@@ -180,6 +228,10 @@ class AsyncEngine:
             self._pending_aborts.append(request_id)
             self._lock.notify_all()
 
+    def _wake(self) -> None:
+        with self._lock:
+            self._lock.notify_all()
+
     # -- step thread -------------------------------------------------------------------
 
     def _run(self) -> None:
@@ -194,6 +246,15 @@ class AsyncEngine:
                         and not core.has_unfinished_requests()
                     ):
                         self._lock.wait()
+                    if (
+                        core.last_step_idle
+                        and not self._stopping
+                        and not self._pending_adds
+                        and not self._pending_aborts
+                    ):
+                        # Everything queued waits on adapter loads: sleep until one ends.
+                        self._lock.wait(_IDLE_WAIT_S)
+                        core.last_step_idle = False
                     if self._stopping:
                         return
                     adds, self._pending_adds = self._pending_adds, []
@@ -208,8 +269,9 @@ class AsyncEngine:
                     except ValueError as exc:
                         self._deliver([], {request.request_id: exc})
                 outputs = core.step()
-                if outputs:
-                    self._deliver(outputs, {})
+                failures, core.failures = core.failures, {}
+                if outputs or failures:
+                    self._deliver(outputs, failures)
         except BaseException as exc:
             log.exception("engine step loop failed")
             self._error = exc

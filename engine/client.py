@@ -9,6 +9,50 @@ from typing import Any, Protocol
 from engine.request import RequestOutput, SamplingParams
 
 
+class RequestRejected(ValueError):
+    """A request the engine can never serve (too long for the context or the KV cache,
+    token ids outside the vocabulary, an adapter it does not serve)."""
+
+    def __init__(self, message: str, *, code: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.param = param
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterInfo:
+    """A LoRA adapter the engine serves, under the name requests use as `model`."""
+
+    name: str
+    key: str  # this version's engine key: a replaced adapter gets a new one
+    path: str | None
+    rank: int
+    alpha: float
+    use_rslora: bool
+    target_modules: tuple[str, ...]
+    size_bytes: int
+    created: int  # unix seconds when this version was added
+
+
+@dataclass(slots=True)
+class AdapterCacheCounters:
+    device_hits: int
+    device_misses: int
+    loads: int
+    load_failures: int
+    device_evictions: int
+    host_evictions: int
+    num_device: int  # adapters resident in device slots
+    num_host: int  # adapters resident in host memory
+    num_loading: int
+    num_queued: int
+    device_slots: int
+    host_capacity: int
+    # Load latency: (upper bound, cumulative count) per bucket, the last bound +Inf.
+    load_latency_buckets: list[tuple[float, int]]
+    load_latency_sum: float
+
+
 @dataclass(slots=True)
 class EngineStats:
     num_running: int
@@ -19,6 +63,8 @@ class EngineStats:
     num_preemptions: int
     prefix_cache_hits: int  # tokens served from the prefix cache, cumulative
     prefix_cache_queries: int  # prompt tokens looked up, cumulative
+    num_adapters: int = 0  # adapters registered
+    adapter_cache: AdapterCacheCounters | None = None  # None: LoRA disabled
 
 
 class EngineClient(Protocol):
@@ -57,6 +103,22 @@ class EngineClient(Protocol):
         ...
 
     def abort(self, request_id: str) -> None: ...
+
+    def get_adapter(self, name: str) -> AdapterInfo | None:
+        """The adapter served under `name`, None if there is none."""
+        ...
+
+    def list_adapters(self) -> list[AdapterInfo]: ...
+
+    async def add_adapter(self, name: str, path: str) -> AdapterInfo:
+        """Validate a PEFT directory against the base model and serve it as `name`
+        (replacing the version served under that name, if any). Raises AdapterError
+        (a ValueError) with the reason when the adapter is refused."""
+        ...
+
+    async def remove_adapter(self, name: str) -> bool:
+        """Stop accepting requests for `name`; requests in flight finish first."""
+        ...
 
     def stats(self) -> EngineStats: ...
 

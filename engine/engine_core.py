@@ -2,26 +2,26 @@
 
 from __future__ import annotations
 
+import itertools
+import threading
 import time
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from engine.block_manager import BlockManager
+from engine.client import AdapterInfo, RequestRejected
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
+from engine.lora.cache import AdapterCache
+from engine.lora.peft import load_peft_adapter
+from engine.lora.weights import AdapterError, LoRAWeights
 from engine.model_loader import resolve_model
 from engine.model_runner import ModelRunner
 from engine.request import Request, RequestOutput, RequestStatus, TokenLogprob
 from engine.sampler import Sampler
 from engine.scheduler import Scheduler
-
-
-class RequestRejected(ValueError):
-    """A request the engine can never serve (too long for the context or the KV cache)."""
-
-    def __init__(self, message: str, *, code: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.code = code
-        self.param = param
 
 
 @dataclass(slots=True)
@@ -46,6 +46,172 @@ class EngineCore:
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self._tracked: dict[str, _Tracked] = {}
+        # Requests that failed between steps (their adapter could not be loaded).
+        self.failures: dict[str, BaseException] = {}
+        self.last_step_idle = False  # the last step had nothing it could run
+        # Called (from any thread) when something the step loop waits for happened.
+        self.wakeup: Callable[[], None] | None = None
+        self._init_adapters()
+
+    # ---- adapters ----------------------------------------------------------------------
+    #
+    # NOTE: a name maps to its current version's key ("name#3"); requests carry the key, so
+    # the prefix cache and the adapter cache never mix two versions. A replaced or removed
+    # version is retired: requests already holding its key finish on it, then it is
+    # dropped from the adapter cache and its prefix-cache blocks are forgotten.
+
+    def _init_adapters(self) -> None:
+        self.adapter_cache: AdapterCache | None = None
+        self._adapter_lock = threading.Lock()
+        self._adapters: dict[str, AdapterInfo] = {}  # name -> current version
+        self._adapter_paths: dict[str, Path] = {}  # key -> directory, to reload from disk
+        self._key_refs: Counter[str] = Counter()  # key -> live requests
+        self._retired: set[str] = set()
+        self._dropped_keys: list[str] = []  # prefix-cache drops for the step thread
+        self._adapter_versions = itertools.count(1)
+        self._adapter_event = False
+        lora = self.runner.lora
+        if lora is None:
+            return
+        self.adapter_cache = AdapterCache(
+            max_loras=self.config.max_loras,
+            max_cpu_loras=self.config.max_cpu_loras,
+            load=self._reload_adapter,
+            install=lora.install,
+            evict=lora.clear,
+            on_ready=self._on_adapter_ready,
+        )
+        self.scheduler.adapters = self.adapter_cache
+
+    def load_adapter(self, name: str, path: str | Path) -> LoRAWeights:
+        """Read and validate a PEFT directory (any thread; touches no engine state)."""
+        if self.adapter_cache is None:
+            raise AdapterError("LoRA adapters are disabled on this engine (--max-loras 0)")
+        return load_peft_adapter(
+            Path(path),
+            self.runner.model_config,
+            max_rank=self.config.max_lora_rank,
+            name=name,
+            dtype=self.runner.dtype,
+        )
+
+    def register_adapter(self, name: str, weights: LoRAWeights) -> AdapterInfo:
+        """Serve validated weights as `name` (thread-safe); replaces the current version."""
+        assert self.adapter_cache is not None
+        with self._adapter_lock:
+            key = f"{name}#{next(self._adapter_versions)}"
+            info = AdapterInfo(
+                name=name,
+                key=key,
+                path=None if weights.path is None else str(weights.path),
+                rank=weights.rank,
+                alpha=weights.alpha,
+                use_rslora=weights.use_rslora,
+                target_modules=tuple(sorted(weights.target_modules)),
+                size_bytes=weights.size_bytes,
+                created=int(time.time()),
+            )
+            if weights.path is not None:
+                self._adapter_paths[key] = Path(weights.path)
+            self.adapter_cache.add(key, weights)
+            old = self._adapters.get(name)
+            self._adapters[name] = info
+            if old is not None:
+                self._retire(old.key)
+        return info
+
+    def add_adapter(self, name: str, path: str | Path) -> AdapterInfo:
+        return self.register_adapter(name, self.load_adapter(name, path))
+
+    def remove_adapter(self, name: str) -> bool:
+        with self._adapter_lock:
+            info = self._adapters.pop(name, None)
+            if info is None:
+                return False
+            self._retire(info.key)
+        return True
+
+    def get_adapter(self, name: str) -> AdapterInfo | None:
+        with self._adapter_lock:
+            return self._adapters.get(name)
+
+    def list_adapters(self) -> list[AdapterInfo]:
+        with self._adapter_lock:
+            return sorted(self._adapters.values(), key=lambda a: a.name)
+
+    def _retire(self, key: str) -> None:
+        # Under _adapter_lock.
+        self._retired.add(key)
+        if not self._key_refs[key]:
+            self._drop_key(key)
+
+    def _drop_key(self, key: str) -> None:
+        # Under _adapter_lock; no request holds the key any more.
+        assert self.adapter_cache is not None
+        self._retired.discard(key)
+        self._key_refs.pop(key, None)
+        self._adapter_paths.pop(key, None)
+        self.adapter_cache.remove(key)
+        self._dropped_keys.append(key)
+
+    def _reload_adapter(self, key: str) -> LoRAWeights:
+        """The adapter cache's loader: read a version back from disk (loader thread)."""
+        with self._adapter_lock:
+            path = self._adapter_paths.get(key)
+        if path is None:
+            raise AdapterError(f"adapter {key} has no directory to load it from")
+        return self.load_adapter(key.rpartition("#")[0], path)
+
+    def _on_adapter_ready(self, key: str) -> None:
+        self._adapter_event = True
+        if self.wakeup is not None:
+            self.wakeup()
+
+    def _bind_adapter(self, request: Request) -> None:
+        """Replace the adapter name a request came with by its current version's key."""
+        name = request.adapter_id
+        if name is None:
+            return
+        with self._adapter_lock:
+            info = self._adapters.get(name)
+            if info is None:
+                raise RequestRejected(
+                    f"The model '{name}' does not exist.", code="model_not_found", param="model"
+                )
+            request.adapter_id = info.key
+            self._key_refs[info.key] += 1
+
+    def _unbind_adapter(self, request: Request) -> None:
+        key = request.adapter_id
+        if key is None:
+            return
+        with self._adapter_lock:
+            self._key_refs[key] -= 1
+            if not self._key_refs[key]:
+                del self._key_refs[key]
+                if key in self._retired:
+                    self._drop_key(key)
+
+    def _between_steps(self) -> None:
+        """Adapter housekeeping on the step thread: forget dropped versions' cached KV and
+        fail the requests whose adapter could not be loaded."""
+        with self._adapter_lock:
+            dropped, self._dropped_keys = self._dropped_keys, []
+        for key in dropped:
+            self.block_manager.drop_adapter(key)
+        if not self._adapter_event or self.adapter_cache is None:
+            return
+        self._adapter_event = False
+        for request in self.scheduler.waiting:
+            adapter_key = request.adapter_id
+            if adapter_key is None:
+                continue
+            error = self.adapter_cache.load_error(adapter_key)
+            if error is not None:
+                self.failures[request.request_id] = RuntimeError(
+                    f"adapter '{adapter_key.rpartition('#')[0]}' could not be loaded: {error}"
+                )
+                self.abort_request(request.request_id)
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -89,33 +255,50 @@ class EngineCore:
             )
 
     def add_request(self, request: Request) -> None:
+        """`request.adapter_id` names the adapter (None: the base model)."""
         if request.request_id in self._tracked:
             raise ValueError(f"duplicate request id {request.request_id!r}")
         self.check_prompt_ids(request.prompt_token_ids)
         self.check_request(request.num_prompt_tokens, request.sampling.max_tokens)
+        self._bind_adapter(request)
         if request.eos_token_id is None and self.tokenizer.eos_token_id is not None:
             request.eos_token_id = self.tokenizer.eos_token_id
         detok = IncrementalDetokenizer(
             self.tokenizer, request.prompt_token_ids, stop=request.sampling.stop
         )
+        try:
+            self.scheduler.add_request(request)
+        except BaseException:
+            self._unbind_adapter(request)
+            raise
         self._tracked[request.request_id] = _Tracked(request, detok)
-        self.scheduler.add_request(request)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         tracked = self._tracked.pop(request_id, None)
         if tracked is None:
             return None
         self.scheduler.abort_request(request_id)
+        self._unbind_adapter(tracked.request)
         return self._output(tracked.request, [], "", [], [])
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
     def step(self) -> list[RequestOutput]:
+        self._between_steps()
         scheduled = self.scheduler.schedule()
+        self.last_step_idle = scheduled.is_empty
         if scheduled.is_empty:
             return []
-        logits = self.runner.execute(scheduled)
+        adapter_slots: dict[str, int] = {}
+        if self.adapter_cache is not None:
+            for chunk in scheduled.chunks:
+                key = chunk.request.adapter_id
+                if key is not None and key not in adapter_slots:
+                    slot = self.adapter_cache.slot_of(key)
+                    assert slot is not None, f"adapter {key} scheduled without a device slot"
+                    adapter_slots[key] = slot
+        logits = self.runner.execute(scheduled, adapter_slots)
         self.scheduler.update_after_step(scheduled)
         sampling = [c.request for c in scheduled.chunks if c.samples]
         results = self.sampler(logits, sampling)
@@ -156,6 +339,7 @@ class EngineCore:
             text += tracked.detokenizer.flush()
             self.scheduler.finish_request(request, status)
             del self._tracked[request.request_id]
+            self._unbind_adapter(request)
         # Per-token text is only reported alongside logprobs.
         token_texts = [self.token_text(token_id)] if logprob is not None else []
         return self._output(request, [token_id], text, new_logprobs, token_texts)

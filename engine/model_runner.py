@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,7 @@ import torch
 from engine.attention import AttentionMetadata, LayerKVCache, PrefillSequence, allocate_kv_cache
 from engine.config import EngineConfig
 from engine.host_memory import keep_freed_activation_memory
+from engine.lora.layers import LoRASlots
 from engine.model_loader import (
     ModelConfig,
     iter_safetensors,
@@ -22,6 +24,7 @@ from engine.model_loader import (
 from engine.models.cpu_linear import pack_linears, packing_available
 from engine.models.llama import LlamaForCausalLM
 from engine.request import ScheduledChunk, SchedulerOutput
+from kernels.reference import LoRASegments
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +64,7 @@ class StepInputs:
     positions: torch.Tensor  # [T] long
     metadata: AttentionMetadata
     sample_indices: torch.Tensor  # [S] long: rows of the last token of each sampling chunk
+    lora: LoRASegments | None = None  # rows by adapter slot; None: no row has an adapter
 
 
 class ModelRunner:
@@ -95,6 +99,9 @@ class ModelRunner:
             tied = self.model.embed_tokens.weight if self.model.lm_head is None else None
             num_packed = pack_linears(self.model, lm_head_weight=tied)
             logger.info("packed %d linear layers for oneDNN", num_packed)
+        self.lora: LoRASlots | None = None
+        if config.max_loras > 0:
+            self.lora = self.model.enable_lora(config.max_loras, config.max_lora_rank)
 
         mc = self.model_config
         self.kv_bytes_per_token = (
@@ -143,20 +150,36 @@ class ModelRunner:
     def vocab_size(self) -> int:
         return self.model_config.vocab_size
 
-    def execute(self, output: SchedulerOutput) -> torch.Tensor:
-        """Run one step; float32 logits [S, V] for the chunks that sample, in chunk order."""
+    def execute(
+        self, output: SchedulerOutput, adapter_slots: Mapping[str, int] | None = None
+    ) -> torch.Tensor:
+        """Run one step; float32 logits [S, V] for the chunks that sample, in chunk order.
+        `adapter_slots`: the device slot of every adapter id the chunks' requests use."""
         if not output.chunks:
             return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
-        inputs = self.prepare_inputs(output.chunks)
+        inputs = self.prepare_inputs(output.chunks, adapter_slots)
         with torch.inference_mode():
-            hidden = self.model(inputs.input_ids, inputs.positions, inputs.metadata, self.kv_caches)
+            hidden = self.model(
+                inputs.input_ids, inputs.positions, inputs.metadata, self.kv_caches, inputs.lora
+            )
             if inputs.sample_indices.numel() == 0:
                 return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
             return self.model.compute_logits(hidden[inputs.sample_indices])
 
-    def prepare_inputs(self, chunks: list[ScheduledChunk]) -> StepInputs:
+    def prepare_inputs(
+        self, chunks: list[ScheduledChunk], adapter_slots: Mapping[str, int] | None = None
+    ) -> StepInputs:
         bs = self.block_size
         token_ids: list[int] = []
+        token_slots: list[int] = []  # per row: adapter slot, -1 for the base model
+        slots_of = adapter_slots or {}
+
+        def slot_of(chunk: ScheduledChunk) -> int:
+            adapter_id = chunk.request.adapter_id
+            if adapter_id is None:
+                return -1
+            assert self.lora is not None, "adapter request on an engine without LoRA slots"
+            return slots_of[adapter_id]
         positions: list[int] = []
         slots: list[int] = []
         decode_tables: list[list[int]] = []
@@ -178,6 +201,7 @@ class ModelRunner:
             assert len(blocks) >= num_blocks, (request.request_id, start, blocks)
             assert start < self.max_model_len, (request.request_id, start, self.max_model_len)
             token_ids.append(request.token_at(start))
+            token_slots.append(slot_of(chunks[i]))
             positions.append(start)
             slots.append(blocks[start // bs] * bs + start % bs)
             decode_tables.append(blocks[:num_blocks])
@@ -194,6 +218,7 @@ class ModelRunner:
             prompt = request.prompt_token_ids
             source = prompt if end <= len(prompt) else request.all_token_ids
             token_ids.extend(source[start:end])
+            token_slots.extend([slot_of(chunk)] * n)
             positions.extend(range(start, end))
             i = start
             while i < end:  # one range per block the chunk touches
@@ -237,6 +262,7 @@ class ModelRunner:
             positions=torch.tensor(positions, dtype=torch.long, device=dev),
             metadata=meta,
             sample_indices=torch.tensor(sample_rows, dtype=torch.long, device=dev),
+            lora=LoRASegments.from_token_slots(token_slots, dev),
         )
 
 

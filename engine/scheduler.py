@@ -17,7 +17,8 @@ and others may go ahead, until it is the oldest waiting request (the head of the
 a step starts): while the head is blocked, no request with an adapter is admitted, so the
 running adapters drain and the head takes the first free adapter slot. Base-model requests
 never take a slot and keep flowing. This cannot deadlock: with nothing running, the head
-always fits.
+always fits. A request whose adapter is still loading from disk is skipped without holding
+anybody (see AdapterHooks): requests for resident adapters never wait on another one's load.
 
 NOTE: preemption by recompute. When a running request cannot get blocks, the worst running
 request (highest priority value, then latest arrival) loses its blocks and goes back to the
@@ -34,6 +35,7 @@ from __future__ import annotations
 import bisect
 import itertools
 from collections import Counter
+from typing import Protocol
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
@@ -42,10 +44,34 @@ from engine.request import Request, RequestStatus, ScheduledChunk, SchedulerOutp
 _WaitingKey = tuple[int, int, float, int]
 
 
+class AdapterHooks(Protocol):
+    """What the scheduler tells the adapter cache (engine/lora/cache.py AdapterCache).
+
+    A waiting request reserves its adapter (the cache starts loading it); a running one
+    pins it in a device slot (acquire) until it finishes or is preempted (release).
+    """
+
+    def is_ready(self, key: str) -> bool: ...
+
+    def reserve(self, key: str) -> None: ...
+
+    def unreserve(self, key: str) -> None: ...
+
+    def acquire(self, key: str) -> int: ...
+
+    def release(self, key: str) -> None: ...
+
+
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        block_manager: BlockManager,
+        adapters: AdapterHooks | None = None,
+    ) -> None:
         self.config = config
         self.block_manager = block_manager
+        self.adapters = adapters
         # Running requests in admission order.
         self.running: list[Request] = []
         # (key, request) sorted by key; keys are unique, so requests are never compared.
@@ -96,6 +122,8 @@ class Scheduler:
         if request.adapter_id is not None and self.config.max_loras < 1:
             raise ValueError("LoRA adapters are disabled on this engine (max_loras = 0)")
         assert request.status == RequestStatus.WAITING and not request.block_ids
+        if request.adapter_id is not None and self.adapters is not None:
+            self.adapters.reserve(request.adapter_id)
         self._requests[request.request_id] = request
         self._seq[request.request_id] = next(self._counter)
         self._push_waiting(request)
@@ -111,11 +139,17 @@ class Scheduler:
     def finish_request(self, request: Request, status: RequestStatus) -> None:
         assert status.finished, status
         assert self._requests.get(request.request_id) is request, request.request_id
-        if request.status == RequestStatus.RUNNING:
+        was_running = request.status == RequestStatus.RUNNING
+        if was_running:
             self.running.remove(request)
         else:
             self._remove_waiting(request)
         self.block_manager.free(request)
+        if request.adapter_id is not None and self.adapters is not None:
+            if was_running:
+                self.adapters.release(request.adapter_id)
+            else:
+                self.adapters.unreserve(request.adapter_id)
         request.status = status
         del self._requests[request.request_id]
         del self._seq[request.request_id]
@@ -161,13 +195,14 @@ class Scheduler:
                 step_adapters[request.adapter_id] += 1
             index += 1
 
+        num_loading = 0
         if not preempted:
-            budget = self._admit_waiting(budget, chunks)
+            budget, num_loading = self._admit_waiting(budget, chunks)
 
         decodes = [c for c in chunks.values() if _is_decode(c)]
         prefills = [c for c in chunks.values() if not _is_decode(c)]
         output = SchedulerOutput(chunks=decodes + prefills, preempted=preempted)
-        assert output.chunks or preempted or not self.has_unfinished_requests(), (
+        assert output.chunks or preempted or num_loading or not self.has_unfinished_requests(), (
             "scheduler made no progress: a request cannot fit in the KV cache"
         )
         return output
@@ -181,18 +216,31 @@ class Scheduler:
 
     # ---- internals --------------------------------------------------------------------
 
-    def _admit_waiting(self, budget: int, chunks: dict[str, ScheduledChunk]) -> int:
+    def _admit_waiting(
+        self, budget: int, chunks: dict[str, ScheduledChunk]
+    ) -> tuple[int, int]:
+        """Admit waiting requests in queue order; returns the budget left and how many
+        requests were skipped because their adapter is still loading."""
+        num_loading = 0
         running_adapters = Counter(r.adapter_id for r in self.running if r.adapter_id is not None)
-        head = self._waiting[0][1] if self._waiting else None
+        is_head = True  # the first request considered (adapters still loading don't count)
         hold_adapters = False  # the head waits for an adapter slot: nobody takes one first
         for _, request in list(self._waiting):
             if budget == 0 or len(self.running) >= self.config.max_num_seqs:
                 break
             adapter_id = request.adapter_id
+            if (
+                adapter_id is not None
+                and self.adapters is not None
+                and not self.adapters.is_ready(adapter_id)
+            ):
+                num_loading += 1
+                continue
+            was_head, is_head = is_head, False
             if adapter_id is not None and (
                 hold_adapters or not self._adapter_fits(adapter_id, running_adapters)
             ):
-                hold_adapters = hold_adapters or request is head
+                hold_adapters = hold_adapters or was_head
                 continue
             num_hit = self.block_manager.get_computed_tokens(request)
             num_new = min(request.num_tokens - num_hit, budget)
@@ -201,6 +249,9 @@ class Scheduler:
                 # starve a large one for ever.
                 break
             self._remove_waiting(request)
+            if adapter_id is not None and self.adapters is not None:
+                self.adapters.acquire(adapter_id)  # pins it in a device slot
+                self.adapters.unreserve(adapter_id)
             if request.status == RequestStatus.WAITING:
                 request.num_cached_tokens = num_hit
             request.num_computed_tokens = num_hit
@@ -210,7 +261,7 @@ class Scheduler:
                 running_adapters[adapter_id] += 1
             chunks[request.request_id] = ScheduledChunk(request, num_hit, num_new)
             budget -= num_new
-        return budget
+        return budget, num_loading
 
     def _adapter_fits(self, adapter_id: str | None, adapters: Counter[str]) -> bool:
         return adapter_id is None or adapter_id in adapters or len(adapters) < self.config.max_loras
@@ -226,6 +277,9 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
+        if request.adapter_id is not None and self.adapters is not None:
+            self.adapters.reserve(request.adapter_id)
+            self.adapters.release(request.adapter_id)
         self._push_waiting(request)
 
     def _waiting_key(self, request: Request) -> _WaitingKey:

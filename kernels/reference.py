@@ -8,6 +8,7 @@ NB cache blocks of BS token slots each. The KV cache of one layer is a pair of t
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -225,3 +226,131 @@ def dense_causal_attention_reference(
     visible = prefill_attention_mask(query_len, context_len, query.device)
     scores = scores.masked_fill(~visible, float("-inf"))
     return (scores.softmax(-1) @ v).transpose(0, 1).to(query.dtype)
+
+
+# ---- multi-LoRA (Punica / S-LoRA style) ----------------------------------------------
+#
+# A LoRA "group" is one fused linear of the model (qkv, o, gate_up, down) with NSL output
+# slices (3, 1, 2, 1). Its slot-stacked buffers, for NS adapter slots of rank at most R:
+#
+#   lora_a    [NS, NSL, R, IN]   slot s, slice k: rows [0, ranks[s, k]) hold A (rank x IN)
+#   lora_b    [NS, OUT, R]       rows slice_offsets[k]:slice_offsets[k + 1] of slot s hold
+#                                slice k's B (OUT_k x rank) in columns [0, ranks[s, k])
+#   ranks     [NS, NSL] int32    0: the slot's adapter does not touch that slice (or no adapter)
+#   scalings  [NS, NSL] float32  alpha / r (alpha / sqrt(r) for rsLoRA)
+#   slice_offsets                NSL + 1 output column offsets, slice_offsets[-1] == OUT
+#
+# Tokens reach the kernels as segments (LoRASegments): the rows of x that have an adapter,
+# grouped by slot. Tokens with no adapter are in no segment and are never touched. Compute
+# is rank-aware: a slot of rank r reads and multiplies r rows, never R.
+
+
+@dataclass(frozen=True, slots=True)
+class LoRASegments:
+    """Which rows of a step use which adapter slot, grouped by slot (one segment each)."""
+
+    token_indices: torch.Tensor  # [N] int64: rows of x with an adapter, grouped by slot
+    # [G + 1] int32: segment g is token_indices[seg_starts[g] : seg_starts[g + 1]]
+    seg_starts: torch.Tensor
+    seg_slots: torch.Tensor  # [G] int32: the slot of each segment
+    segments: tuple[tuple[int, int, int], ...]  # host copy: (start, end, slot) per segment
+    max_seg_len: int
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_indices.shape[0])
+
+    @classmethod
+    def from_token_slots(
+        cls, token_slots: list[int], device: torch.device | str = "cpu"
+    ) -> LoRASegments | None:
+        """token_slots[t]: the slot of row t, -1 for none. None when no row has an adapter."""
+        rows_by_slot: dict[int, list[int]] = {}
+        for row, slot in enumerate(token_slots):
+            if slot >= 0:
+                rows_by_slot.setdefault(slot, []).append(row)
+        if not rows_by_slot:
+            return None
+        indices: list[int] = []
+        segments: list[tuple[int, int, int]] = []
+        for slot in sorted(rows_by_slot):
+            rows = rows_by_slot[slot]
+            segments.append((len(indices), len(indices) + len(rows), slot))
+            indices.extend(rows)
+        starts = [s for s, _, _ in segments] + [len(indices)]
+        return cls(
+            token_indices=torch.tensor(indices, dtype=torch.int64, device=device),
+            seg_starts=torch.tensor(starts, dtype=torch.int32, device=device),
+            seg_slots=torch.tensor([s for _, _, s in segments], dtype=torch.int32, device=device),
+            segments=tuple(segments),
+            max_seg_len=max(end - start for start, end, _ in segments),
+        )
+
+
+def lora_shrink(
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    ranks: torch.Tensor,
+    segs: LoRASegments,
+) -> torch.Tensor:
+    """x [T, IN] -> float32 [N, NSL, R]: row i is x[token_indices[i]] @ A_{s,k}^T for its
+    segment's slot s and every slice k, in columns [0, ranks[s, k]); zeros elsewhere."""
+    num_slices, max_rank = lora_a.shape[1], lora_a.shape[2]
+    out = torch.zeros(segs.num_tokens, num_slices, max_rank, dtype=torch.float32, device=x.device)
+    rank_table = ranks.tolist()
+    rows = x.index_select(0, segs.token_indices)
+    for start, end, slot in segs.segments:
+        xs = rows[start:end].float()
+        for k, r in enumerate(rank_table[slot]):
+            if r:
+                out[start:end, k, :r] = xs @ lora_a[slot, k, :r].float().t()
+    return out
+
+
+def lora_expand(
+    y: torch.Tensor,
+    shrunk: torch.Tensor,
+    lora_b: torch.Tensor,
+    ranks: torch.Tensor,
+    scalings: torch.Tensor,
+    slice_offsets: tuple[int, ...],
+    segs: LoRASegments,
+) -> None:
+    """In place: y[token_indices[i], slice k] += scalings[s, k] * shrunk[i, k, :r] @ B_{s,k}^T
+    with r = ranks[s, k], accumulated in float32. y [T, OUT]; shrunk [N, NSL, R]."""
+    rank_table, scale_table = ranks.tolist(), scalings.tolist()
+    delta = torch.zeros(segs.num_tokens, y.shape[1], dtype=torch.float32, device=y.device)
+    for start, end, slot in segs.segments:
+        for k, r in enumerate(rank_table[slot]):
+            if r:
+                lo, hi = slice_offsets[k], slice_offsets[k + 1]
+                b = lora_b[slot, lo:hi, :r].float()
+                delta[start:end, lo:hi] = (shrunk[start:end, k, :r] @ b.t()) * scale_table[slot][k]
+    y.index_add_(0, segs.token_indices, delta.to(y.dtype))
+
+
+def add_lora(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    ranks: list[list[int]],
+    scalings: list[list[float]],
+    slice_offsets: tuple[int, ...],
+    segs: LoRASegments,
+) -> None:
+    """lora_expand(y, lora_shrink(x, ...), ...) without the [N, NSL, R] intermediate: the
+    CPU path. `ranks` and `scalings` are host copies of the tensors (no device reads)."""
+    rows = x.index_select(0, segs.token_indices)
+    delta = torch.zeros(segs.num_tokens, y.shape[1], dtype=y.dtype, device=y.device)
+    for start, end, slot in segs.segments:
+        xs = rows[start:end]
+        slot_ranks, slot_scales = ranks[slot], scalings[slot]
+        for k, r in enumerate(slot_ranks):
+            if r:
+                lo, hi = slice_offsets[k], slice_offsets[k + 1]
+                shrunk = torch.mm(xs, lora_a[slot, k, :r].t())
+                delta[start:end, lo:hi] = torch.mm(shrunk, lora_b[slot, lo:hi, :r].t()).mul_(
+                    slot_scales[k]
+                )
+    y.index_add_(0, segs.token_indices, delta)

@@ -13,9 +13,16 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from app.api.errors import SERVER_ERROR, APIError, invalid_request, server_error
+from app.api.errors import (
+    SERVER_ERROR,
+    APIError,
+    invalid_request,
+    model_not_found,
+    server_error,
+)
 from app.api.serving import GenerationPlan
 from app.api.state import AppState
+from engine.client import RequestRejected
 from engine.request import RequestOutput, TokenLogprob
 
 logger = logging.getLogger(__name__)
@@ -112,6 +119,8 @@ async def run_choices(
                 index, item = await asyncio.wait_for(queue.get(), remaining)
             except TimeoutError:
                 raise generation_timeout() from None
+            if isinstance(item, RequestRejected) and item.code == "model_not_found":
+                raise model_not_found(plan.model) from item  # removed since planning
             if isinstance(item, ValueError):
                 raise invalid_request(str(item)) from item
             if isinstance(item, BaseException) and state.draining:
@@ -146,6 +155,7 @@ def _observe(state: AppState, plan: GenerationPlan, result: ChoiceResult) -> Non
         num_prompt_tokens=result.num_prompt_tokens or len(plan.prompt_token_ids),
         num_output_tokens=result.num_output_tokens,
         finish_reason=result.finish_reason,
+        model=plan.adapter_id or state.engine.model_id,
     )
 
 

@@ -197,6 +197,9 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "loraplex"
+    # Adapters: the base model they apply to (None for the base model itself).
+    parent: str | None = None
+    root: str | None = None
 
 
 class ModelList(BaseModel):

@@ -93,9 +93,11 @@ def check_admission(state: AppState, num_requests: int) -> None:
 
 
 def resolve_model(engine: EngineClient, model: str) -> str | None:
-    """The adapter id a `model` field names, None for the base model."""
+    """The adapter a `model` field names, None for the base model; 404 for anything else."""
     if model == engine.model_id:
         return None
+    if engine.get_adapter(model) is not None:
+        return model
     raise model_not_found(model)
 
 

@@ -13,6 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionMetadata, LayerKVCache, paged_attention
+from engine.lora.layers import LoRAGroup, LoRASlots
+from engine.lora.weights import GROUP_SLICES
 from engine.model_loader import ModelConfig, ModelLoadError
 from kernels import reference as ref
 
@@ -46,6 +48,9 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(
             self.q_size, config.hidden_size, bias=config.o_bias, device=_META, dtype=dtype
         )
+        # Set by LlamaForCausalLM.enable_lora.
+        self.qkv_lora: LoRAGroup | None = None
+        self.o_lora: LoRAGroup | None = None
 
     def forward(
         self,
@@ -53,9 +58,13 @@ class LlamaAttention(nn.Module):
         rope: torch.Tensor,
         cache: LayerKVCache,
         meta: AttentionMetadata,
+        lora: ref.LoRASegments | None = None,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, Q + 2 KV]
+        if lora is not None and self.qkv_lora is not None:
+            # NOTE: before rope: the q/k rows of lora_B are rope-interleaved like the base's.
+            self.qkv_lora.apply(qkv, x, lora)
         # Rope q and k heads together in one pass: [T, H + KVH, D].
         qk = qkv[:, : self.q_size + self.kv_size].view(
             num_tokens, self.num_heads + self.num_kv_heads, self.head_dim
@@ -63,8 +72,11 @@ class LlamaAttention(nn.Module):
         qk = ref.apply_rope_interleaved(qk, rope)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
-        out = paged_attention(q, k, v, cache, meta, self.scale)  # [T, H, D]
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        out = paged_attention(q, k, v, cache, meta, self.scale).reshape(num_tokens, self.q_size)
+        y = self.o_proj(out)
+        if lora is not None and self.o_lora is not None:
+            self.o_lora.apply(y, out, lora)
+        return y
 
 
 class LlamaMLP(nn.Module):
@@ -78,11 +90,19 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(
             inter, config.hidden_size, bias=config.mlp_bias, device=_META, dtype=dtype
         )
+        self.gate_up_lora: LoRAGroup | None = None
+        self.down_lora: LoRAGroup | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora: ref.LoRASegments | None = None) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2 I]
+        if lora is not None and self.gate_up_lora is not None:
+            self.gate_up_lora.apply(gate_up, x, lora)
         gate, up = gate_up[:, : self.intermediate_size], gate_up[:, self.intermediate_size :]
-        return self.down_proj(F.silu(gate) * up)
+        h = F.silu(gate) * up
+        y = self.down_proj(h)
+        if lora is not None and self.down_lora is not None:
+            self.down_lora.apply(y, h, lora)
+        return y
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -99,9 +119,10 @@ class LlamaDecoderLayer(nn.Module):
         rope: torch.Tensor,
         cache: LayerKVCache,
         meta: AttentionMetadata,
+        lora: ref.LoRASegments | None = None,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.self_attn(self.input_layernorm(x), rope, cache, meta, lora)
+        return x + self.mlp(self.post_attention_layernorm(x), lora)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -149,14 +170,42 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         meta: AttentionMetadata,
         kv_caches: list[LayerKVCache],
+        lora: ref.LoRASegments | None = None,
     ) -> torch.Tensor:
-        """input_ids, positions [T] -> final hidden states [T, HID]."""
+        """input_ids, positions [T] -> final hidden states [T, HID]. `lora`: which rows
+        use which adapter slot (None: no row has an adapter)."""
         assert len(kv_caches) == len(self.layers)
         rope = self.rope[positions].unsqueeze(1)  # [T, 1, D/2] complex, shared by all layers
         x = self.embed_tokens(input_ids)
         for layer, cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, rope, cache, meta)
+            x = layer(x, rope, cache, meta, lora)
         return self.norm(x)
+
+    def enable_lora(self, num_slots: int, max_rank: int) -> LoRASlots:
+        """Give every fused linear slot buffers for `num_slots` adapters of rank <= max_rank."""
+        cfg = self.config
+        device, dtype = self.embed_tokens.weight.device, self.embed_tokens.weight.dtype
+        inter = cfg.intermediate_size
+        shapes = {  # group -> (in_features, slice sizes), slices in GROUP_SLICES order
+            "qkv": (cfg.hidden_size, (cfg.q_size, cfg.kv_size, cfg.kv_size)),
+            "o": (cfg.q_size, (cfg.hidden_size,)),
+            "gate_up": (cfg.hidden_size, (inter, inter)),
+            "down": (inter, (cfg.hidden_size,)),
+        }
+        assert shapes.keys() == GROUP_SLICES.keys()
+        groups: list[dict[str, LoRAGroup]] = []
+        for layer in self.layers:
+            assert isinstance(layer, LlamaDecoderLayer)
+            by_name = {
+                name: LoRAGroup(num_slots, max_rank, fin, sizes, device=device, dtype=dtype)
+                for name, (fin, sizes) in shapes.items()
+            }
+            layer.self_attn.qkv_lora = by_name["qkv"]
+            layer.self_attn.o_lora = by_name["o"]
+            layer.mlp.gate_up_lora = by_name["gate_up"]
+            layer.mlp.down_lora = by_name["down"]
+            groups.append(by_name)
+        return LoRASlots(groups)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [S, HID] of the sampling positions only -> float32 logits [S, V]."""

@@ -20,7 +20,7 @@ from fastapi import FastAPI
 
 from app.core.config import Settings
 from app.main import create_app
-from engine.client import EngineStats
+from engine.client import AdapterInfo, EngineStats
 from engine.request import RequestOutput, SamplingParams, TokenLogprob
 
 
@@ -75,6 +75,7 @@ class FakeEngine:
         self.aborted: list[str] = []  # closed early by the caller, or abort()ed
         self.finished: list[str] = []  # ran to "stop" or "length"
         self._abort_requested: set[str] = set()
+        self.adapters: dict[str, AdapterInfo] = {}
 
     # -- EngineClient ------------------------------------------------------------------
 
@@ -114,6 +115,30 @@ class FakeEngine:
 
     def is_ready(self) -> bool:
         return self.ready and not self.shut_down
+
+    def get_adapter(self, name: str) -> AdapterInfo | None:
+        return self.adapters.get(name)
+
+    def list_adapters(self) -> list[AdapterInfo]:
+        return sorted(self.adapters.values(), key=lambda a: a.name)
+
+    async def add_adapter(self, name: str, path: str) -> AdapterInfo:
+        info = AdapterInfo(
+            name=name,
+            key=f"{name}#{len(self.adapters) + 1}",
+            path=path,
+            rank=8,
+            alpha=16.0,
+            use_rslora=False,
+            target_modules=("q_proj", "v_proj"),
+            size_bytes=1024,
+            created=1_700_000_000,
+        )
+        self.adapters[name] = info
+        return info
+
+    async def remove_adapter(self, name: str) -> bool:
+        return self.adapters.pop(name, None) is not None
 
     async def shutdown(self) -> None:
         self.shut_down = True

@@ -37,3 +37,43 @@ def hf_greedy(
         **kwargs,
     )
     return [int(t) for t in out[0, ids.shape[1] :]]
+
+
+@cache
+def _peft_model(model_dir: str, adapters: tuple[tuple[str, str], ...]) -> torch.nn.Module:
+    """One base model with every adapter loaded under its name (PEFT `load_adapter`)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    (first_name, first_dir), *rest = adapters
+    model = PeftModel.from_pretrained(base, first_dir, adapter_name=first_name)
+    for name, adapter_dir in rest:
+        model.load_adapter(adapter_dir, adapter_name=name)
+    model.eval()
+    return model
+
+
+@torch.inference_mode()
+def peft_greedy(
+    model_dir: Path,
+    adapters: dict[str, Path],
+    adapter: str,
+    prompt_token_ids: list[int],
+    max_new_tokens: int,
+) -> list[int]:
+    """Greedy token ids of Hugging Face PEFT running `adapter` alone (set_adapter)."""
+    model = _peft_model(
+        str(model_dir), tuple(sorted((name, str(path)) for name, path in adapters.items()))
+    )
+    model.set_adapter(adapter)
+    ids = torch.tensor([prompt_token_ids])
+    eos = model.generation_config.eos_token_id
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        pad_token_id=eos if isinstance(eos, int) else (eos[0] if eos else 0),
+    )
+    return [int(t) for t in out[0, ids.shape[1] :]]

@@ -12,4 +12,11 @@ router = APIRouter(tags=["models"])
 
 @router.get("/v1/models", response_model=ModelList)
 async def list_models(state: AppStateDep) -> ModelList:
-    return ModelList(data=[ModelCard(id=state.engine.model_id, created=state.started_at)])
+    engine = state.engine
+    base = engine.model_id
+    cards = [ModelCard(id=base, created=state.started_at, root=base)]
+    cards.extend(
+        ModelCard(id=a.name, created=a.created, parent=base, root=base)
+        for a in engine.list_adapters()
+    )
+    return ModelList(data=cards)

@@ -1,0 +1,136 @@
+"""Slot-stacked LoRA buffers of every fused linear of the model, and their forward.
+
+Each fused linear (qkv, o, gate_up, down) of each layer gets one `LoRAGroup`: device
+buffers for `num_slots` adapters of rank up to `max_rank` in the layout documented in
+kernels/reference.py. An adapter in use occupies one slot in every group; a base-model
+token uses none and is never touched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from engine.lora.weights import GROUP_SLICES, LoRAModule, LoRAWeights
+from kernels import reference as ref
+
+
+class LoRAGroup:
+    def __init__(
+        self,
+        num_slots: int,
+        max_rank: int,
+        in_features: int,
+        slice_sizes: Sequence[int],
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        self.num_slots = num_slots
+        self.max_rank = max_rank
+        self.in_features = in_features
+        self.slice_sizes = tuple(slice_sizes)
+        offsets = [0]
+        for size in self.slice_sizes:
+            offsets.append(offsets[-1] + size)
+        self.slice_offsets = tuple(offsets)
+        num_slices = len(self.slice_sizes)
+        # NOTE: on CPU the buffers start uninitialized: compute never reads past a slot's
+        # rank, and untouched pages cost no memory until an adapter of that rank lands.
+        # On CUDA they are zeroed so that padded kernels could read them safely.
+        alloc = torch.zeros if device.type == "cuda" else torch.empty
+        self.lora_a = alloc(
+            num_slots, num_slices, max_rank, in_features, device=device, dtype=dtype
+        )
+        self.lora_b = alloc(num_slots, offsets[-1], max_rank, device=device, dtype=dtype)
+        self.ranks = torch.zeros(num_slots, num_slices, dtype=torch.int32, device=device)
+        self.scalings = torch.zeros(num_slots, num_slices, dtype=torch.float32, device=device)
+        # Host copies: the CPU path and the "does this step touch me" test never read
+        # the device.
+        self.rank_table = [[0] * num_slices for _ in range(num_slots)]
+        self.scale_table = [[0.0] * num_slices for _ in range(num_slots)]
+        self.slot_active = [False] * num_slots
+
+    def set_slot(self, slot: int, modules: Sequence[LoRAModule | None]) -> None:
+        """Install one adapter's modules (one per slice, None: not targeted) in `slot`."""
+        assert len(modules) == len(self.slice_sizes)
+        self.clear_slot(slot)
+        ranks: list[int] = []
+        scales: list[float] = []
+        for k, module in enumerate(modules):
+            if module is None:
+                ranks.append(0)
+                scales.append(0.0)
+                continue
+            r = module.rank
+            lo, hi = self.slice_offsets[k], self.slice_offsets[k + 1]
+            assert r <= self.max_rank, (r, self.max_rank)
+            assert module.a.shape == (r, self.in_features), module.a.shape
+            assert module.b.shape == (hi - lo, r), module.b.shape
+            self.lora_a[slot, k, :r].copy_(module.a)
+            self.lora_b[slot, lo:hi, :r].copy_(module.b)
+            ranks.append(r)
+            scales.append(module.scaling)
+        self.ranks[slot] = torch.tensor(ranks, dtype=torch.int32)
+        self.scalings[slot] = torch.tensor(scales, dtype=torch.float32)
+        self.rank_table[slot] = ranks
+        self.scale_table[slot] = scales
+        self.slot_active[slot] = any(ranks)
+
+    def clear_slot(self, slot: int) -> None:
+        self.ranks[slot] = 0
+        self.scalings[slot] = 0.0
+        self.rank_table[slot] = [0] * len(self.slice_sizes)
+        self.scale_table[slot] = [0.0] * len(self.slice_sizes)
+        self.slot_active[slot] = False
+
+    def apply(self, y: torch.Tensor, x: torch.Tensor, segs: ref.LoRASegments) -> None:
+        """y [T, OUT] += each adapted row's LoRA delta of x [T, IN], in place."""
+        if not any(self.slot_active[slot] for _, _, slot in segs.segments):
+            return
+        if y.is_cuda:
+            from kernels.lora_expand import lora_expand
+            from kernels.lora_shrink import lora_shrink
+
+            shrunk = lora_shrink(x, self.lora_a, self.ranks, segs)
+            lora_expand(y, shrunk, self.lora_b, self.ranks, self.scalings, self.slice_offsets, segs)
+            return
+        ref.add_lora(
+            y,
+            x,
+            self.lora_a,
+            self.lora_b,
+            self.rank_table,
+            self.scale_table,
+            self.slice_offsets,
+            segs,
+        )
+
+
+class LoRASlots:
+    """All LoRA groups of a model: install an adapter into a slot of every group."""
+
+    def __init__(
+        self,
+        groups: list[dict[str, LoRAGroup]],  # per layer: group name -> group
+    ) -> None:
+        self.groups = groups
+        self.num_slots = groups[0]["qkv"].num_slots if groups else 0
+        self.max_rank = groups[0]["qkv"].max_rank if groups else 0
+
+    def install(self, slot: int, weights: LoRAWeights) -> None:
+        for layer, by_name in enumerate(self.groups):
+            for name, group in by_name.items():
+                group.set_slot(slot, [weights.modules.get((layer, m)) for m in GROUP_SLICES[name]])
+
+    def clear(self, slot: int) -> None:
+        for by_name in self.groups:
+            for group in by_name.values():
+                group.clear_slot(slot)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(
+            g.lora_a.nbytes + g.lora_b.nbytes for by_name in self.groups for g in by_name.values()
+        )

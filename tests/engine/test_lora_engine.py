@@ -1,0 +1,198 @@
+"""Multi-LoRA in the engine on tiny random models: mixed batches of adapters (and base
+requests) must give each request exactly what PEFT gives for its adapter alone."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.engine_core import EngineCore, RequestRejected
+from engine.lora.weights import AdapterError
+from engine.request import Request, RequestOutput, SamplingParams
+from tests.utils.hf_oracle import hf_greedy, peft_greedy
+from tests.utils.peft_adapters import make_peft_adapter
+from tests.utils.tiny_models import random_prompt
+
+ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+SPECS: dict[str, dict[str, Any]] = {
+    "qv": {"r": 2, "alpha": 4, "targets": ("q_proj", "v_proj"), "seed": 11},
+    "attn": {"r": 8, "alpha": 16, "targets": ("q_proj", "k_proj", "v_proj", "o_proj"), "seed": 12},
+    "mlp": {
+        "r": 5,
+        "alpha": 3,
+        "targets": ("gate_proj", "up_proj", "down_proj"),
+        "use_rslora": True,
+        "seed": 13,
+    },
+    "all": {"r": 16, "alpha": 8, "targets": ALL_LINEAR, "seed": 14},
+}
+NEW_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def tiny_with_adapters(
+    tiny_model_factory: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, dict[str, Path]]:
+    base = tiny_model_factory("llama_gqa")
+    root = tmp_path_factory.mktemp("tiny_adapters")
+    adapters = {name: make_peft_adapter(base, root / name, **spec) for name, spec in SPECS.items()}
+    return base, adapters
+
+
+def make_core(base: Path, **overrides: Any) -> EngineCore:
+    return EngineCore(EngineConfig(model=str(base), **overrides))
+
+
+def greedy(rid: str, prompt: list[int], adapter: str | None) -> Request:
+    return Request(
+        request_id=rid,
+        prompt_token_ids=prompt,
+        sampling=SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True),
+        adapter_id=adapter,
+    )
+
+
+def run(core: EngineCore, requests: list[Request], max_steps: int = 2000) -> dict[str, list[int]]:
+    for r in requests:
+        core.add_request(r)
+    tokens: dict[str, list[int]] = {r.request_id: [] for r in requests}
+    for _ in range(max_steps):
+        if not core.has_unfinished_requests():
+            break
+        outs: list[RequestOutput] = core.step()
+        if not outs and core.last_step_idle:
+            time.sleep(0.01)  # adapters loading in the background
+        for out in outs:
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    assert not core.has_unfinished_requests(), "engine did not finish"
+    return tokens
+
+
+def test_mixed_batch_matches_peft_per_adapter(tiny_with_adapters) -> None:
+    base, adapters = tiny_with_adapters
+    # Fewer device slots (2) and host copies (3) than adapters (4): slots are reused and
+    # evicted host copies come back from disk while requests wait.
+    core = make_core(base, max_loras=2, max_cpu_loras=3, max_lora_rank=16)
+    for name, path in adapters.items():
+        core.add_adapter(name, path)
+    prompts = [random_prompt(n, seed=n) for n in (5, 17, 33)]
+    requests = [
+        greedy(f"{name or 'base'}-{i}", prompt, name)
+        for i, prompt in enumerate(prompts)
+        for name in [*adapters, None]
+    ]
+    got = run(core, requests)
+    for i, prompt in enumerate(prompts):
+        want_base = hf_greedy(base, prompt, NEW_TOKENS, ignore_eos=True)
+        assert got[f"base-{i}"] == want_base
+        for name in adapters:
+            want = peft_greedy(base, adapters, name, prompt, NEW_TOKENS)
+            assert want != want_base, name
+            assert got[f"{name}-{i}"] == want, (name, i)
+    stats = core.adapter_cache.stats() if core.adapter_cache else None
+    assert stats is not None and stats.device_evictions > 0
+    # Every pin was released: nothing holds a slot once all requests finished.
+    cache = core.adapter_cache
+    assert cache is not None
+    on_device = [a.key for a in core.list_adapters() if cache.slot_of(a.key) is not None]
+    assert len(on_device) == 2 and sorted(cache.device_eviction_order()) == sorted(on_device)
+
+
+def test_unknown_adapter_is_rejected(tiny_with_adapters) -> None:
+    base, _ = tiny_with_adapters
+    core = make_core(base, max_loras=1)
+    with pytest.raises(RequestRejected) as info:
+        core.add_request(greedy("x", [5, 6, 7], "nope"))
+    assert info.value.code == "model_not_found"
+    assert not core.has_unfinished_requests()
+
+
+def test_refused_adapter_leaves_engine_serving(tiny_with_adapters, tmp_path: Path) -> None:
+    base, adapters = tiny_with_adapters
+    core = make_core(base, max_loras=2, max_lora_rank=8)
+    core.add_adapter("qv", adapters["qv"])
+    with pytest.raises(AdapterError, match="max-lora-rank"):
+        core.add_adapter("all", adapters["all"])  # rank 16 > 8
+    assert [a.name for a in core.list_adapters()] == ["qv"]
+    got = run(core, [greedy("a", [9, 10, 11], "qv")])
+    assert got["a"] == peft_greedy(base, adapters, "qv", [9, 10, 11], NEW_TOKENS)
+
+
+def test_replacing_an_adapter_drops_its_prefix_cache(tiny_with_adapters) -> None:
+    base, adapters = tiny_with_adapters
+    core = make_core(base, max_loras=2)
+    prompt = random_prompt(40, seed=3)
+    core.add_adapter("x", adapters["qv"])
+    first = run(core, [greedy("a", prompt, "x")])["a"]
+    hits_before = core.block_manager.prefix_cache_hits
+    run(core, [greedy("b", prompt, "x")])
+    assert core.block_manager.prefix_cache_hits > hits_before  # same version: reused
+    core.add_adapter("x", adapters["attn"])  # new version under the same name
+    hits_before = core.block_manager.prefix_cache_hits
+    got = run(core, [greedy("c", prompt, "x")])["c"]
+    assert core.block_manager.prefix_cache_hits == hits_before  # nothing reused
+    assert got == peft_greedy(base, adapters, "attn", prompt, NEW_TOKENS) != first
+
+
+def test_removed_adapter_finishes_in_flight_requests(tiny_with_adapters) -> None:
+    base, adapters = tiny_with_adapters
+    core = make_core(base, max_loras=1)
+    core.add_adapter("qv", adapters["qv"])
+    prompt = [20, 21, 22, 23]
+    core.add_request(greedy("a", prompt, "qv"))
+    core.step()
+    assert core.remove_adapter("qv")
+    with pytest.raises(RequestRejected):
+        core.add_request(greedy("b", prompt, "qv"))
+    rest = run(core, [])
+    assert core.get_adapter("qv") is None
+    assert rest["a"] and len(rest["a"]) == NEW_TOKENS - 1  # finished on the removed adapter
+    assert core.adapter_cache is not None and core.adapter_cache.stats().num_device == 0
+
+
+def test_resident_adapter_does_not_wait_for_another_load(
+    tiny_with_adapters, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    base, adapters = tiny_with_adapters
+    core = make_core(base, max_loras=2, max_cpu_loras=1)
+    core.add_adapter("qv", adapters["qv"])
+    core.add_adapter("attn", adapters["attn"])  # evicts qv's host copy (capacity 1)
+    run(core, [greedy("warm", [5, 6], "attn")])  # attn now in a device slot
+    release = threading.Event()
+    original = core._reload_adapter
+
+    def slow_reload(key: str):  # type: ignore[no-untyped-def]
+        release.wait(30)
+        return original(key)
+
+    monkeypatch.setattr(core.adapter_cache, "_load", slow_reload)
+    core.add_request(greedy("blocked", [7, 8, 9], "qv"))  # needs a disk load
+    core.add_request(greedy("resident", [7, 8, 9], "attn"))
+    done: set[str] = set()
+    for _ in range(200):
+        for out in core.step():
+            if out.finished:
+                done.add(out.request_id)
+        if "resident" in done:
+            break
+    assert "resident" in done and "blocked" not in done
+    release.set()
+    got = run(core, [])
+    assert len(got["blocked"]) == NEW_TOKENS and not core.has_unfinished_requests()
+
+
+@torch.inference_mode()
+def test_base_requests_untouched_by_lora_slots(tiny_with_adapters) -> None:
+    base, adapters = tiny_with_adapters
+    core = make_core(base, max_loras=2)
+    core.add_adapter("all", adapters["all"])
+    prompt = random_prompt(12, seed=9)
+    got = run(core, [greedy("base", prompt, None), greedy("lora", prompt, "all")])
+    assert got["base"] == hf_greedy(base, prompt, NEW_TOKENS, ignore_eos=True)
