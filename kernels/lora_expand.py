@@ -162,7 +162,7 @@ def lora_expand(
     widest = max(hi - lo for lo, hi in pairwise(slice_offsets))
     if widest == 0:
         return
-    block_m, block_n, block_k = expand_block_sizes(segs.max_seg_len, max_rank, widest)
+    block_m, block_n, block_k = expand_block_sizes(segs.max_seg_len, widest)
     row_blocks = triton.cdiv(segs.max_seg_len, block_m)
     grid = (num_segments * row_blocks, triton.cdiv(widest, block_n), num_slices)
     _lora_expand_kernel[grid](
@@ -187,12 +187,13 @@ def lora_expand(
     )
 
 
-def expand_block_sizes(max_seg_len: int, max_rank: int, widest_slice: int) -> tuple[int, int, int]:
+def expand_block_sizes(max_seg_len: int, widest_slice: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K) for lora_expand: rows per program, output columns per
     program, rank step. tl.dot needs every dimension >= 16."""
+    # NOTE: rank steps of 16 (the smallest tl.dot depth): a rank-r slot loops ceil(r / 16)
+    # times, whatever the buffers' R.
     block_n = min(128, max(16, triton.next_power_of_2(widest_slice)))
-    block_k = min(64, max(16, triton.next_power_of_2(max_rank)))
-    return row_block_size(max_seg_len), block_n, block_k
+    return row_block_size(max_seg_len), block_n, 16
 
 
 def check_slice_offsets(slice_offsets: tuple[int, ...], out_features: int) -> None:

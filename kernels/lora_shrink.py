@@ -117,7 +117,7 @@ def lora_shrink(
     out = torch.zeros(num_tokens, num_slices, max_rank, dtype=torch.float32, device=x.device)
     if num_tokens == 0 or num_segments == 0:
         return out
-    block_m, block_n, block_k = shrink_block_sizes(segs.max_seg_len, max_rank, in_features)
+    block_m, block_n, block_k = shrink_block_sizes(segs.max_seg_len, in_features)
     row_blocks = triton.cdiv(segs.max_seg_len, block_m)
     grid = (num_segments * row_blocks, triton.cdiv(max_rank, block_n), num_slices)
     _lora_shrink_kernel[grid](
@@ -155,15 +155,15 @@ def dot_dtype(dtype: torch.dtype) -> tl.dtype:
     return _DOT_DTYPES[dtype]
 
 
-def shrink_block_sizes(max_seg_len: int, max_rank: int, in_features: int) -> tuple[int, int, int]:
+def shrink_block_sizes(max_seg_len: int, in_features: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K) for lora_shrink: rows per program, rank columns per
     program, IN step. tl.dot needs every dimension >= 16."""
-    block_m = row_block_size(max_seg_len)
-    # NOTE: at most 64 rank columns per program: a rank-8 slot in an R=64 buffer then
-    # multiplies one 16-wide (or R-wide when R < 64) block, not all of R.
-    block_n = min(64, _pow2_at_least(max_rank, 16))
-    block_k = min(64, _pow2_at_least(in_features, 16))
-    return block_m, block_n, block_k
+    # NOTE: 16 rank columns per program, the smallest tl.dot width: a rank-r slot runs
+    # ceil(r / 16) programs and never multiplies past the next multiple of 16. Shrink is
+    # bound by reading A and x (2 * IN * r flops per row), not by the tensor cores, and the
+    # x tile each extra program re-reads comes from L2.
+    block_k = min(64, max(16, triton.next_power_of_2(in_features)))
+    return row_block_size(max_seg_len), 16, block_k
 
 
 def row_block_size(max_seg_len: int) -> int:
@@ -171,10 +171,6 @@ def row_block_size(max_seg_len: int) -> int:
     if max_seg_len <= 16:
         return 16
     return 32 if max_seg_len <= 64 else 64
-
-
-def _pow2_at_least(n: int, floor: int) -> int:
-    return max(floor, triton.next_power_of_2(n))
 
 
 # ---- launcher checks, shared with kernels.lora_expand ----------------------------------

@@ -329,28 +329,68 @@ def lora_expand(
     y.index_add_(0, segs.token_indices, delta.to(y.dtype))
 
 
-def add_lora(
+@dataclass(frozen=True, slots=True)
+class PackedLoRA:
+    """One slot of one LoRA group in the CPU layout: every slice in one pair of matrices,
+    so a segment costs two matmuls whatever its number of slices.
+
+    a_t        [IN, RS]   RS = the sum of the slot's slice ranks; slice k's A^T fills
+                          columns [off_k, off_k + r_k)
+    b          [RS, OUT]  block-diagonal: slice k's B^T in rows [off_k, off_k + r_k) and
+                          columns slice_offsets[k]:slice_offsets[k + 1], zeros elsewhere
+    col_scale  [OUT]      slice k's scaling over its columns (0 where no slice is adapted)
+    """
+
+    a_t: torch.Tensor
+    b: torch.Tensor
+    col_scale: torch.Tensor
+
+
+def pack_lora_slot(
+    slices: list[tuple[torch.Tensor, torch.Tensor, float] | None],
+    slice_offsets: tuple[int, ...],
+    *,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+) -> PackedLoRA | None:
+    """slices[k]: (A [r, IN], B [OUT_k, r], scaling) or None -> PackedLoRA (None if empty)."""
+    present = [(k, s) for k, s in enumerate(slices) if s is not None]
+    if not present:
+        return None
+    in_features = present[0][1][0].shape[1]
+    total_rank = sum(a.shape[0] for _, (a, _, _) in present)
+    a_t = torch.empty(in_features, total_rank, dtype=dtype, device=device)
+    b = torch.zeros(total_rank, slice_offsets[-1], dtype=dtype, device=device)
+    col_scale = torch.zeros(slice_offsets[-1], dtype=dtype, device=device)
+    offset = 0
+    for k, (a, b_k, scaling) in present:
+        r = a.shape[0]
+        lo, hi = slice_offsets[k], slice_offsets[k + 1]
+        a_t[:, offset : offset + r].copy_(a.t())
+        b[offset : offset + r, lo:hi].copy_(b_k.t())
+        col_scale[lo:hi] = scaling
+        offset += r
+    return PackedLoRA(a_t=a_t, b=b, col_scale=col_scale)
+
+
+def add_lora_packed(
     y: torch.Tensor,
     x: torch.Tensor,
-    lora_a: torch.Tensor,
-    lora_b: torch.Tensor,
-    ranks: list[list[int]],
-    scalings: list[list[float]],
-    slice_offsets: tuple[int, ...],
+    packed: list[PackedLoRA | None],
     segs: LoRASegments,
 ) -> None:
-    """lora_expand(y, lora_shrink(x, ...), ...) without the [N, NSL, R] intermediate: the
-    CPU path. `ranks` and `scalings` are host copies of the tensors (no device reads)."""
+    """lora_expand(y, lora_shrink(x, ...), ...) over slots in the PackedLoRA layout: the CPU
+    path. For each segment of slot s: y[rows] += ((x[rows] @ a_t) @ b) * col_scale. Same
+    operation order as PEFT (x A^T, then B^T, then the scaling)."""
+    live = [(start, end, packed[slot]) for start, end, slot in segs.segments]
+    if all(p is None for _, _, p in live):
+        return
     rows = x.index_select(0, segs.token_indices)
     delta = torch.zeros(segs.num_tokens, y.shape[1], dtype=y.dtype, device=y.device)
-    for start, end, slot in segs.segments:
-        xs = rows[start:end]
-        slot_ranks, slot_scales = ranks[slot], scalings[slot]
-        for k, r in enumerate(slot_ranks):
-            if r:
-                lo, hi = slice_offsets[k], slice_offsets[k + 1]
-                shrunk = torch.mm(xs, lora_a[slot, k, :r].t())
-                delta[start:end, lo:hi] = torch.mm(shrunk, lora_b[slot, lo:hi, :r].t()).mul_(
-                    slot_scales[k]
-                )
+    for start, end, slot_lora in live:
+        if slot_lora is None:
+            continue
+        out = delta[start:end]
+        torch.mm(torch.mm(rows[start:end], slot_lora.a_t), slot_lora.b, out=out)
+        out.mul_(slot_lora.col_scale)
     y.index_add_(0, segs.token_indices, delta)

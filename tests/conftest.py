@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
+
+# NOTE: Triton reads TRITON_INTERPRET when a kernel is decorated, i.e. when kernels/ is
+# first imported, whichever test does it: set it before any test module is collected.
+# Without CUDA the Triton kernels then run in the interpreter on CPU tensors.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CACHE_DATA_DIR = REPO_ROOT / "var"

@@ -36,14 +36,16 @@ class LoRAGroup:
             offsets.append(offsets[-1] + size)
         self.slice_offsets = tuple(offsets)
         num_slices = len(self.slice_sizes)
-        # NOTE: on CPU the buffers start uninitialized: compute never reads past a slot's
-        # rank, and untouched pages cost no memory until an adapter of that rank lands.
-        # On CUDA they are zeroed so that padded kernels could read them safely.
-        alloc = torch.zeros if device.type == "cuda" else torch.empty
-        self.lora_a = alloc(
-            num_slots, num_slices, max_rank, in_features, device=device, dtype=dtype
-        )
-        self.lora_b = alloc(num_slots, offsets[-1], max_rank, device=device, dtype=dtype)
+        self.device, self.dtype = device, dtype
+        # NOTE: two layouts of the same weights. On CUDA the slot-stacked buffers the Triton
+        # kernels read (kernels/reference.py); on CPU one PackedLoRA per slot, sized to the
+        # adapter's own ranks, so a segment costs two matmuls however many slices it has.
+        self.use_kernels = device.type == "cuda"
+        stacked = (num_slots, num_slices, max_rank, in_features) if self.use_kernels else (0,)
+        self.lora_a = torch.zeros(stacked, device=device, dtype=dtype)
+        b_shape = (num_slots, offsets[-1], max_rank) if self.use_kernels else (0,)
+        self.lora_b = torch.zeros(b_shape, device=device, dtype=dtype)
+        self.packed: list[ref.PackedLoRA | None] = [None] * num_slots
         self.ranks = torch.zeros(num_slots, num_slices, dtype=torch.int32, device=device)
         self.scalings = torch.zeros(num_slots, num_slices, dtype=torch.float32, device=device)
         # Host copies: the CPU path and the "does this step touch me" test never read
@@ -68,10 +70,18 @@ class LoRAGroup:
             assert r <= self.max_rank, (r, self.max_rank)
             assert module.a.shape == (r, self.in_features), module.a.shape
             assert module.b.shape == (hi - lo, r), module.b.shape
-            self.lora_a[slot, k, :r].copy_(module.a)
-            self.lora_b[slot, lo:hi, :r].copy_(module.b)
+            if self.use_kernels:
+                self.lora_a[slot, k, :r].copy_(module.a)
+                self.lora_b[slot, lo:hi, :r].copy_(module.b)
             ranks.append(r)
             scales.append(module.scaling)
+        if not self.use_kernels:
+            self.packed[slot] = ref.pack_lora_slot(
+                [None if m is None else (m.a, m.b, m.scaling) for m in modules],
+                self.slice_offsets,
+                dtype=self.dtype,
+                device=self.device,
+            )
         self.ranks[slot] = torch.tensor(ranks, dtype=torch.int32)
         self.scalings[slot] = torch.tensor(scales, dtype=torch.float32)
         self.rank_table[slot] = ranks
@@ -79,6 +89,7 @@ class LoRAGroup:
         self.slot_active[slot] = any(ranks)
 
     def clear_slot(self, slot: int) -> None:
+        self.packed[slot] = None
         self.ranks[slot] = 0
         self.scalings[slot] = 0.0
         self.rank_table[slot] = [0] * len(self.slice_sizes)
@@ -89,23 +100,14 @@ class LoRAGroup:
         """y [T, OUT] += each adapted row's LoRA delta of x [T, IN], in place."""
         if not any(self.slot_active[slot] for _, _, slot in segs.segments):
             return
-        if y.is_cuda:
+        if self.use_kernels:
             from kernels.lora_expand import lora_expand
             from kernels.lora_shrink import lora_shrink
 
             shrunk = lora_shrink(x, self.lora_a, self.ranks, segs)
             lora_expand(y, shrunk, self.lora_b, self.ranks, self.scalings, self.slice_offsets, segs)
             return
-        ref.add_lora(
-            y,
-            x,
-            self.lora_a,
-            self.lora_b,
-            self.rank_table,
-            self.scale_table,
-            self.slice_offsets,
-            segs,
-        )
+        ref.add_lora_packed(y, x, self.packed, segs)
 
 
 class LoRASlots:
@@ -131,6 +133,12 @@ class LoRASlots:
 
     @property
     def nbytes(self) -> int:
-        return sum(
-            g.lora_a.nbytes + g.lora_b.nbytes for by_name in self.groups for g in by_name.values()
-        )
+        """Bytes the slots hold now (CUDA: the whole stacked buffers)."""
+        total = 0
+        for by_name in self.groups:
+            for g in by_name.values():
+                total += g.lora_a.nbytes + g.lora_b.nbytes
+                for p in g.packed:
+                    if p is not None:
+                        total += p.a_t.nbytes + p.b.nbytes + p.col_scale.nbytes
+        return total

@@ -121,7 +121,7 @@ def load_peft_adapter(
             f"limit of {max_rank}; start the server with a larger --max-lora-rank to serve it"
         )
     return LoRAWeights(
-        name=name if name is not None else path.resolve().name,
+        name=name if name is not None else (path.name or path.resolve().name),
         path=path,
         rank=rank,
         alpha=config.lora_alpha,
@@ -302,8 +302,10 @@ def _group_tensors(
     found: dict[tuple[int, str], _Factors] = {}
     for tensor_name, tensor in tensors.items():
         parts = tensor_name.split(".")
-        if "lora_embedding_A" in parts or "lora_embedding_B" in parts or any(
-            p in _EMBEDDING_MODULES for p in parts
+        if (
+            "lora_embedding_A" in parts
+            or "lora_embedding_B" in parts
+            or any(p in _EMBEDDING_MODULES for p in parts)
         ):
             raise AdapterError(
                 f"{weights_path}: tensor {tensor_name} adapts the embeddings or lm_head, "
@@ -374,19 +376,21 @@ def _check_targets(
     targets = config.target_modules
     if targets is None or targets == ALL_LINEAR:
         return
-    for factors in found.values():
+    unselected: dict[str, str] = {}  # module name -> an example path
+    for (_, module), factors in sorted(found.items()):
         path = factors.module_path
         if isinstance(targets, str):
             targeted = re.fullmatch(targets, path) is not None
         else:
-            targeted = any(
-                t == ALL_LINEAR or path == t or path.endswith("." + t) for t in targets
-            )
+            targeted = any(t == ALL_LINEAR or path == t or path.endswith("." + t) for t in targets)
         if not targeted:
-            raise AdapterError(
-                f"{weights_path} has tensors for {path}, which target_modules in "
-                f"{config_path.name} ({targets!r}) does not select"
-            )
+            unselected.setdefault(module, path)
+    if unselected:
+        raise AdapterError(
+            f"{weights_path} has tensors for {', '.join(sorted(unselected))} (e.g. "
+            f"{next(iter(unselected.values()))}), which target_modules in {config_path.name} "
+            f"({targets!r}) does not select"
+        )
 
 
 def _build_module(

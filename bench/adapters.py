@@ -1,0 +1,75 @@
+"""Random LoRA adapters in PEFT's on-disk format, written directly (no peft needed), for
+benchmarks: `adapter_config.json` + `adapter_model.safetensors`."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from engine.model_loader import ModelConfig
+
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+ALL_LINEAR = (*ATTENTION, "gate_proj", "up_proj", "down_proj")
+
+
+def module_shape(config: ModelConfig, module: str) -> tuple[int, int]:
+    """(in_features, out_features) of a Hugging Face Llama linear."""
+    hid, inter = config.hidden_size, config.intermediate_size
+    return {
+        "q_proj": (hid, config.q_size),
+        "k_proj": (hid, config.kv_size),
+        "v_proj": (hid, config.kv_size),
+        "o_proj": (config.q_size, hid),
+        "gate_proj": (hid, inter),
+        "up_proj": (hid, inter),
+        "down_proj": (inter, hid),
+    }[module]
+
+
+def write_random_adapter(
+    out_dir: Path,
+    config: ModelConfig,
+    *,
+    rank: int,
+    alpha: float,
+    targets: Sequence[str] = ATTENTION,
+    seed: int = 0,
+    base_model: str = "",
+) -> Path:
+    """A PEFT LoRA directory with seeded random factors of a modest effect."""
+    generator = torch.Generator().manual_seed(seed)
+    tensors: dict[str, torch.Tensor] = {}
+    for layer in range(config.num_layers):
+        for module in targets:
+            fin, fout = module_shape(config, module)
+            part = "self_attn" if module in ATTENTION else "mlp"
+            prefix = f"base_model.model.model.layers.{layer}.{part}.{module}"
+            std = 1.0 / math.sqrt(fin)
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, fin, generator=generator) * std
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(fout, rank, generator=generator) * (
+                0.02 / math.sqrt(rank)
+            )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out_dir / "adapter_model.safetensors"))
+    adapter_config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model,
+        "r": rank,
+        "lora_alpha": alpha,
+        "lora_dropout": 0.0,
+        "target_modules": list(targets),
+        "bias": "none",
+        "use_rslora": False,
+        "use_dora": False,
+        "modules_to_save": None,
+        "fan_in_fan_out": False,
+        "init_lora_weights": True,
+    }
+    (out_dir / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2))
+    return out_dir

@@ -1,0 +1,106 @@
+"""The CPU layout (PackedLoRA, add_lora_packed) computes what the slot-stacked reference
+(lora_shrink + lora_expand) defines, and LoRAGroup installs/clears slots correctly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.lora.layers import LoRAGroup
+from engine.lora.weights import LoRAModule
+from kernels import reference as ref
+
+SLICES = (48, 16, 16)
+IN = 40
+MAX_RANK = 16
+
+
+def random_modules(g: torch.Generator, ranks: list[int]) -> list[LoRAModule | None]:
+    modules: list[LoRAModule | None] = []
+    for k, r in enumerate(ranks):
+        if r == 0:
+            modules.append(None)
+            continue
+        a = torch.randn(r, IN, generator=g)
+        b = torch.randn(SLICES[k], r, generator=g)
+        modules.append(LoRAModule(a=a, b=b, scaling=0.5 + k))
+    return modules
+
+
+def stacked_buffers(
+    slots: dict[int, list[LoRAModule | None]], num_slots: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, tuple[int, ...]]:
+    offsets = (0, 48, 64, 80)
+    lora_a = torch.full((num_slots, 3, MAX_RANK, IN), float("nan"))
+    lora_b = torch.full((num_slots, offsets[-1], MAX_RANK), float("nan"))
+    ranks = torch.zeros(num_slots, 3, dtype=torch.int32)
+    scalings = torch.zeros(num_slots, 3)
+    for slot, modules in slots.items():
+        for k, m in enumerate(modules):
+            if m is None:
+                continue
+            lora_a[slot, k, : m.rank] = m.a
+            lora_b[slot, offsets[k] : offsets[k + 1], : m.rank] = m.b
+            ranks[slot, k] = m.rank
+            scalings[slot, k] = m.scaling
+    return lora_a, lora_b, ranks, scalings, offsets
+
+
+@pytest.mark.parametrize(
+    "token_slots",
+    [
+        [0, 1, 2, 3, 0, 1, 2, 3],  # distinct-ish
+        [2, 2, 2, 2, 2, -1, 2, 2],  # one adapter, one base row
+        [-1, 3, -1, 0, 0, 0, 0, 1, 3, -1, 2],  # skewed with base rows
+    ],
+)
+def test_packed_cpu_path_equals_reference(token_slots: list[int]) -> None:
+    g = torch.Generator().manual_seed(0)
+    slots = {
+        0: random_modules(g, [16, 16, 16]),
+        1: random_modules(g, [2, 0, 7]),  # k not targeted
+        2: random_modules(g, [1, 1, 1]),
+        3: random_modules(g, [0, 5, 0]),  # only k
+    }
+    x = torch.randn(len(token_slots), IN, generator=g)
+    y0 = torch.randn(len(token_slots), 80, generator=g)
+    segs = ref.LoRASegments.from_token_slots(token_slots)
+    assert segs is not None
+    lora_a, lora_b, ranks, scalings, offsets = stacked_buffers(slots, 5)
+    want = y0.clone()
+    ref.lora_expand(
+        want, ref.lora_shrink(x, lora_a, ranks, segs), lora_b, ranks, scalings, offsets, segs
+    )
+    group = LoRAGroup(5, MAX_RANK, IN, SLICES, device=torch.device("cpu"), dtype=torch.float32)
+    for slot, modules in slots.items():
+        group.set_slot(slot, modules)
+    got = y0.clone()
+    group.apply(got, x, segs)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    base_rows = [i for i, s in enumerate(token_slots) if s < 0]
+    assert torch.equal(got[base_rows], y0[base_rows])
+
+
+def test_cleared_slot_adds_nothing_and_reinstall_replaces() -> None:
+    g = torch.Generator().manual_seed(1)
+    group = LoRAGroup(2, MAX_RANK, IN, SLICES, device=torch.device("cpu"), dtype=torch.float32)
+    first, second = random_modules(g, [4, 4, 4]), random_modules(g, [8, 0, 2])
+    x = torch.randn(3, IN, generator=g)
+    segs = ref.LoRASegments.from_token_slots([1, 1, 1])
+    assert segs is not None
+    group.set_slot(1, first)
+    group.set_slot(1, second)  # a new adapter in the same slot
+    got = torch.zeros(3, 80)
+    group.apply(got, x, segs)
+    only_second = LoRAGroup(
+        2, MAX_RANK, IN, SLICES, device=torch.device("cpu"), dtype=torch.float32
+    )
+    only_second.set_slot(1, second)
+    want = torch.zeros(3, 80)
+    only_second.apply(want, x, segs)
+    assert torch.equal(got, want)
+    assert torch.count_nonzero(got[:, 48:64]) == 0  # k slice not targeted by `second`
+    group.clear_slot(1)
+    cleared = torch.zeros(3, 80)
+    group.apply(cleared, x, segs)
+    assert torch.count_nonzero(cleared) == 0
