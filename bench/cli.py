@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import click
+
+if TYPE_CHECKING:
+    from bench.lora import LoRABenchOptions
 
 
 @click.group("bench")
@@ -120,3 +125,85 @@ def kernels(
             output=output,
         )
     )
+
+
+def _lora_options(func: Callable[..., None]) -> Callable[..., None]:
+    """The options every LoRA benchmark shares."""
+    options = [
+        click.option("--model", default="default", show_default=True),
+        click.option("--num-adapters", default=32, show_default=True),
+        click.option("--num-requests", default=32, show_default=True),
+        click.option("--rank", default=16, show_default=True),
+        click.option(
+            "--targets",
+            type=click.Choice(["qv", "attention", "all-linear"]),
+            default="attention",
+            show_default=True,
+        ),
+        click.option("--prompt-len", default="32-256", show_default=True, help="min-max tokens"),
+        click.option("--output-len", default="64-128", show_default=True, help="min-max tokens"),
+        click.option("--seed", default=0, show_default=True),
+        click.option("--repeats", default=2, show_default=True, help="alternating rounds"),
+        click.option(
+            "--stream/--no-stream",
+            default=False,
+            show_default=True,
+            help="send requests as SSE streams (TTFT/TPOT figures, more client work)",
+        ),
+        click.option("--serve-arg", "serve_args", multiple=True, help="extra flag for `serve`"),
+        click.option("--output", type=click.Path(path_type=Path), default=None),
+    ]
+    for option in reversed(options):
+        func = option(func)
+    return func
+
+
+def _lora_bench_options(**kwargs: Any) -> LoRABenchOptions:
+    from bench.lora import LoRABenchOptions
+
+    serve_args: tuple[str, ...] = kwargs.pop("serve_args", ())
+    kwargs["prompt_len"] = _range(kwargs["prompt_len"])
+    kwargs["output_len"] = _range(kwargs["output_len"])
+    return LoRABenchOptions(
+        serve_args=[a for arg in serve_args for a in arg.split()],
+        **kwargs,
+    )
+
+
+@bench.command("lora-scaling")
+@_lora_options
+@click.option("--zipf-alpha", default=1.0, show_default=True)
+def lora_scaling(**kwargs: Any) -> None:
+    """N concurrent requests on 1 adapter vs N distinct adapters (uniform, Zipf)."""
+    from bench.lora import run_scaling
+
+    run_scaling(_lora_bench_options(**kwargs))
+
+
+@bench.command("lora-vs-peft")
+@_lora_options
+@click.option("--hf-batch-size", default=8, show_default=True)
+def lora_vs_peft(**kwargs: Any) -> None:
+    """The server vs Hugging Face PEFT (one at a time, static mixed batches)."""
+    from bench.lora import run_vs_peft
+
+    run_vs_peft(_lora_bench_options(**kwargs))
+
+
+@bench.command("lora-overhead")
+@_lora_options
+def lora_overhead(**kwargs: Any) -> None:
+    """Step time with every request on one adapter vs on the base model."""
+    from bench.lora import run_overhead
+
+    run_overhead(_lora_bench_options(**kwargs))
+
+
+@bench.command("lora-cold-load")
+@_lora_options
+@click.option("--loads", default=20, show_default=True)
+def lora_cold_load(loads: int, **kwargs: Any) -> None:
+    """An adapter from disk to ready (p50/p99) vs PEFT's load_adapter."""
+    from bench.lora import run_cold_load
+
+    run_cold_load(_lora_bench_options(**kwargs), loads=loads)

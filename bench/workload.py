@@ -137,17 +137,45 @@ async def _one_stream(
     )
 
 
+async def _one_request(
+    client: httpx.AsyncClient, base_model: str, req: BenchRequest
+) -> RequestTiming:
+    """Non-streaming: one JSON response; TTFT is unknown and reported as the e2e time."""
+    body = {
+        "model": req.model or base_model,
+        "prompt": req.prompt_token_ids,
+        "max_tokens": req.max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    start = time.perf_counter()
+    resp = await client.post("/v1/completions", json=body)
+    end = time.perf_counter()
+    if resp.status_code != 200:
+        raise RuntimeError(f"HTTP {resp.status_code}: {resp.text}")
+    num_output_tokens = int(resp.json()["usage"]["completion_tokens"])
+    return RequestTiming(ttft_s=end - start, e2e_s=end - start, num_output_tokens=num_output_tokens)
+
+
 async def run_load(
-    base_url: str, base_model: str, requests: list[BenchRequest], concurrency: int
+    base_url: str,
+    base_model: str,
+    requests: list[BenchRequest],
+    concurrency: int,
+    *,
+    stream: bool = True,
 ) -> LoadResult:
-    """Send every request, at most `concurrency` at once, each as a stream."""
+    """Send every request, at most `concurrency` at once, each as a stream (or, with
+    stream=False, as one JSON response: less client work on a machine it shares with the
+    server, for throughput-only figures)."""
     sem = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency + 4)
+    send = _one_stream if stream else _one_request
     async with httpx.AsyncClient(base_url=base_url, timeout=3600, limits=limits) as client:
 
         async def bounded(r: BenchRequest) -> RequestTiming:
             async with sem:
-                return await _one_stream(client, base_model, r)
+                return await send(client, base_model, r)
 
         start = time.perf_counter()
         timings = await asyncio.gather(*(bounded(r) for r in requests))

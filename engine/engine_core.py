@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import re
 import threading
 import time
 from collections import Counter
@@ -22,6 +23,9 @@ from engine.model_runner import ModelRunner
 from engine.request import Request, RequestOutput, RequestStatus, TokenLogprob
 from engine.sampler import Sampler
 from engine.scheduler import Scheduler
+
+# What requests may put in `model` to name an adapter; '@' is kept for `name@version`.
+ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._\-/:]{0,127}")
 
 
 @dataclass(slots=True)
@@ -87,6 +91,13 @@ class EngineCore:
         """Read and validate a PEFT directory (any thread; touches no engine state)."""
         if self.adapter_cache is None:
             raise AdapterError("LoRA adapters are disabled on this engine (--max-loras 0)")
+        if not ADAPTER_NAME.fullmatch(name):
+            raise AdapterError(
+                f"invalid adapter name {name!r}: 1-128 characters among letters, digits and "
+                "'._-/:', starting with a letter or digit ('@' is kept for versions)"
+            )
+        if name == self.model_dir.name or name == self.config.model:
+            raise AdapterError(f"adapter name {name!r} is the base model's name")
         return load_peft_adapter(
             Path(path),
             self.runner.model_config,

@@ -8,6 +8,7 @@ token uses none and is never touched.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import torch
@@ -26,7 +27,10 @@ class LoRAGroup:
         *,
         device: torch.device,
         dtype: torch.dtype,
+        use_kernels: bool | None = None,
     ) -> None:
+        """use_kernels: the Triton path (default: on CUDA). Tests set it on CPU tensors with
+        TRITON_INTERPRET=1 to run the CUDA code path in the interpreter."""
         self.num_slots = num_slots
         self.max_rank = max_rank
         self.in_features = in_features
@@ -40,7 +44,7 @@ class LoRAGroup:
         # NOTE: two layouts of the same weights. On CUDA the slot-stacked buffers the Triton
         # kernels read (kernels/reference.py); on CPU one PackedLoRA per slot, sized to the
         # adapter's own ranks, so a segment costs two matmuls however many slices it has.
-        self.use_kernels = device.type == "cuda"
+        self.use_kernels = device.type == "cuda" if use_kernels is None else use_kernels
         stacked = (num_slots, num_slices, max_rank, in_features) if self.use_kernels else (0,)
         self.lora_a = torch.zeros(stacked, device=device, dtype=dtype)
         b_shape = (num_slots, offsets[-1], max_rank) if self.use_kernels else (0,)
@@ -120,11 +124,16 @@ class LoRASlots:
         self.groups = groups
         self.num_slots = groups[0]["qkv"].num_slots if groups else 0
         self.max_rank = groups[0]["qkv"].max_rank if groups else 0
+        self.last_install_s = 0.0  # how long the last install took (benchmarks, logs)
 
     def install(self, slot: int, weights: LoRAWeights) -> None:
+        start = time.perf_counter()
         for layer, by_name in enumerate(self.groups):
             for name, group in by_name.items():
                 group.set_slot(slot, [weights.modules.get((layer, m)) for m in GROUP_SLICES[name]])
+        if self.groups and self.groups[0]["qkv"].device.type == "cuda":
+            torch.cuda.synchronize(self.groups[0]["qkv"].device)
+        self.last_install_s = time.perf_counter() - start
 
     def clear(self, slot: int) -> None:
         for by_name in self.groups:

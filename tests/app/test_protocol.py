@@ -55,8 +55,44 @@ async def test_models_lists_the_base_model() -> None:
     assert isinstance(created, int) and abs(created - time.time()) < 60
     assert body == {
         "object": "list",
-        "data": [{"id": MODEL, "object": "model", "created": created, "owned_by": "loraplex"}],
+        "data": [
+            {
+                "id": MODEL,
+                "object": "model",
+                "created": created,
+                "owned_by": "loraplex",
+                "parent": None,
+                "root": MODEL,
+            }
+        ],
     }
+
+
+async def test_models_lists_adapters_after_the_base_model() -> None:
+    app, engine = make_app()
+    await engine.add_adapter("support-bot", "/adapters/support-bot")
+    await engine.add_adapter("alpha", "/adapters/alpha")
+    async with asgi_client(app) as client:
+        body = (await client.get("/v1/models")).json()
+        ok = await client.post(
+            "/v1/completions", json={"model": "alpha", "prompt": "hi", "max_tokens": 2}
+        )
+        await engine.remove_adapter("alpha")
+        gone = await client.post(
+            "/v1/completions", json={"model": "alpha", "prompt": "hi", "max_tokens": 2}
+        )
+    assert [m["id"] for m in body["data"]] == [MODEL, "alpha", "support-bot"]
+    assert body["data"][1] == {
+        "id": "alpha",
+        "object": "model",
+        "created": 1_700_000_000,
+        "owned_by": "loraplex",
+        "parent": MODEL,
+        "root": MODEL,
+    }
+    assert ok.status_code == 200 and ok.json()["model"] == "alpha"
+    assert engine.submitted[-1].adapter_id == "alpha"
+    assert gone.status_code == 404 and gone.json()["error"]["code"] == "model_not_found"
 
 
 # ------------------------------------------------------------------ completions

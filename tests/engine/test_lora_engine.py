@@ -196,3 +196,37 @@ def test_base_requests_untouched_by_lora_slots(tiny_with_adapters) -> None:
     prompt = random_prompt(12, seed=9)
     got = run(core, [greedy("base", prompt, None), greedy("lora", prompt, "all")])
     assert got["base"] == hf_greedy(base, prompt, NEW_TOKENS, ignore_eos=True)
+
+
+def test_abort_releases_the_adapter_pin_and_reservation(tiny_with_adapters) -> None:
+    base, adapters = tiny_with_adapters
+    core = make_core(base, max_loras=1, max_num_seqs=1)
+    core.add_adapter("qv", adapters["qv"])
+    core.add_adapter("mlp", adapters["mlp"])
+    key_qv = core.get_adapter("qv").key  # type: ignore[union-attr]
+    key_mlp = core.get_adapter("mlp").key  # type: ignore[union-attr]
+    cache = core.adapter_cache
+    assert cache is not None
+    core.add_request(greedy("running", [5, 6, 7], "qv"))
+    core.add_request(greedy("waiting", [5, 6, 7], "mlp"))  # max_num_seqs 1: it waits
+    core.step()
+    assert cache.device_eviction_order() == []  # qv pinned by the running request
+    pins = {r.key: (r.pins, r.reservations) for r in cache.resident()}
+    assert pins[key_qv] == (1, 0) and pins[key_mlp] == (0, 1)
+    core.abort_request("running")
+    core.abort_request("waiting")
+    pins = {r.key: (r.pins, r.reservations) for r in cache.resident()}
+    assert pins[key_qv] == (0, 0) and pins[key_mlp] == (0, 0)
+    assert cache.device_eviction_order() == [key_qv]
+    assert not core.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("name", ["", "has space", "x@2", "-leading", "a" * 129])
+def test_invalid_adapter_names_are_refused(tiny_with_adapters, name: str) -> None:
+    base, adapters = tiny_with_adapters
+    core = make_core(base, max_loras=1)
+    with pytest.raises(AdapterError, match="invalid adapter name"):
+        core.add_adapter(name, adapters["qv"])
+    with pytest.raises(AdapterError, match="base model"):
+        core.add_adapter(base.name, adapters["qv"])
+    assert core.list_adapters() == []
