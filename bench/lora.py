@@ -169,7 +169,11 @@ def run_scaling(opts: LoRABenchOptions) -> dict[str, Any]:
         warm = [BenchRequest(base_requests[0].prompt_token_ids[:8], 2, name) for name in names]
         asyncio.run(run_load(base_url, base_model, warm, len(warm)))
         for round_index in range(opts.repeats):
-            for mix, models in mixes.items():
+            # The order rotates every round, so no mix always runs first or last.
+            order = list(mixes)
+            order = order[round_index % len(order) :] + order[: round_index % len(order)]
+            for mix in order:
+                models = mixes[mix]
                 result = asyncio.run(
                     run_load(
                         base_url,
