@@ -46,7 +46,7 @@ class LoRAGroup:
         self.device, self.dtype = device, dtype
         # NOTE: two layouts of the same weights. On CUDA the slot-stacked buffers the Triton
         # kernels read (kernels/reference.py); on CPU one PackedLoRA per slot, sized to the
-        # adapter's own ranks, so a segment costs two matmuls however many slices it has.
+        # adapter's own ranks: one shrink matmul per segment whatever its number of slices.
         self.use_kernels = device.type == "cuda" if use_kernels is None else use_kernels
         stacked = (num_slots, num_slices, max_rank, in_features) if self.use_kernels else (0,)
         self.lora_a = torch.zeros(stacked, device=device, dtype=dtype)
@@ -163,7 +163,5 @@ class LoRASlots:
         for by_name in self.groups:
             for g in by_name.values():
                 total += g.lora_a.nbytes + g.lora_b.nbytes
-                for p in g.packed:
-                    if p is not None:
-                        total += p.a_t.nbytes + p.b.nbytes + p.col_scale.nbytes
+                total += sum(p.nbytes for p in g.packed if p is not None)
         return total
