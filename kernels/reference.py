@@ -331,23 +331,29 @@ def lora_expand(
 
 @dataclass(frozen=True, slots=True)
 class PackedLoRA:
-    """One slot of one LoRA group in the CPU layout: all slices' A in one matrix (one
-    shrink matmul per segment), each slice's B on its own, sized to its rank.
+    """One slot of one LoRA group in the CPU layout: all slices' A in one matrix and all
+    slices' B in one block-diagonal matrix, so a segment of many rows costs two matmuls
+    whatever its number of slices.
 
     a_t        [IN, RS]   RS = the sum of the slot's slice ranks; slice k's A^T fills
                           columns [off_k, off_k + r_k)
-    b_slices   per adapted slice k: (off_k, r_k, lo_k, hi_k, B_k^T [r_k, OUT_k]), where
-                          lo_k:hi_k = slice_offsets[k]:slice_offsets[k + 1]
+    b          [RS, OUT]  block-diagonal: slice k's B^T in rows [off_k, off_k + r_k) and
+                          columns lo_k:hi_k = slice_offsets[k]:slice_offsets[k + 1], zeros
+                          elsewhere
+    b_slices   per adapted slice k: (off_k, r_k, lo_k, hi_k, view of b's block k), for
+                          single rows, where reading the zeros would cost more than the
+                          extra matmuls
     col_scale  [OUT]      slice k's scaling over its columns (0 where no slice is adapted)
     """
 
     a_t: torch.Tensor
+    b: torch.Tensor
     b_slices: tuple[tuple[int, int, int, int, torch.Tensor], ...]
     col_scale: torch.Tensor
 
     @property
     def nbytes(self) -> int:
-        return self.a_t.nbytes + self.col_scale.nbytes + sum(b.nbytes for *_, b in self.b_slices)
+        return self.a_t.nbytes + self.b.nbytes + self.col_scale.nbytes
 
 
 def pack_lora_slot(
@@ -364,6 +370,7 @@ def pack_lora_slot(
     in_features = present[0][1][0].shape[1]
     total_rank = sum(a.shape[0] for _, (a, _, _) in present)
     a_t = torch.empty(in_features, total_rank, dtype=dtype, device=device)
+    b = torch.zeros(total_rank, slice_offsets[-1], dtype=dtype, device=device)
     col_scale = torch.zeros(slice_offsets[-1], dtype=dtype, device=device)
     b_slices: list[tuple[int, int, int, int, torch.Tensor]] = []
     offset = 0
@@ -371,11 +378,11 @@ def pack_lora_slot(
         r = a.shape[0]
         lo, hi = slice_offsets[k], slice_offsets[k + 1]
         a_t[:, offset : offset + r].copy_(a.t())
-        b_t = b_k.t().to(device=device, dtype=dtype, copy=True).contiguous()
-        b_slices.append((offset, r, lo, hi, b_t))
+        b[offset : offset + r, lo:hi].copy_(b_k.t())
+        b_slices.append((offset, r, lo, hi, b[offset : offset + r, lo:hi]))
         col_scale[lo:hi] = scaling
         offset += r
-    return PackedLoRA(a_t=a_t, b_slices=tuple(b_slices), col_scale=col_scale)
+    return PackedLoRA(a_t=a_t, b=b, b_slices=tuple(b_slices), col_scale=col_scale)
 
 
 def add_lora_packed(
@@ -385,9 +392,8 @@ def add_lora_packed(
     segs: LoRASegments,
 ) -> None:
     """lora_expand(y, lora_shrink(x, ...), ...) over slots in the PackedLoRA layout: the CPU
-    path. For each segment of slot s and each adapted slice k:
-    y[rows, lo_k:hi_k] += ((x[rows] @ a_t)[:, off_k:off_k + r_k] @ B_k^T) * scaling_k.
-    Same operation order as PEFT (x A^T, then B^T, then the scaling)."""
+    path. For each segment of slot s: y[rows] += ((x[rows] @ a_t) @ b) * col_scale. Same
+    operation order as PEFT (x A^T, then B^T, then the scaling)."""
     live = [(start, end, packed[slot]) for start, end, slot in segs.segments]
     if all(p is None for _, _, p in live):
         return
@@ -398,11 +404,12 @@ def add_lora_packed(
             continue
         shrunk = torch.mm(rows[start:end], slot_lora.a_t)
         out = delta[start:end]
-        for off, r, lo, hi, b_t in slot_lora.b_slices:
-            if end - start == 1:
-                # NOTE: one row: the column window of `out` is contiguous, written in place.
-                torch.mm(shrunk[:, off : off + r], b_t, out=out[:, lo:hi])
-            else:
-                out[:, lo:hi] = torch.mm(shrunk[:, off : off + r], b_t)
+        if end - start == 1 and len(slot_lora.b_slices) > 1:
+            # NOTE: one row (a decode with its own adapter): per-slice matmuls read only the
+            # blocks, not the zeros around them, and write their column window in place.
+            for off, r, lo, hi, b_block in slot_lora.b_slices:
+                torch.mm(shrunk[:, off : off + r], b_block, out=out[:, lo:hi])
+        else:
+            torch.mm(shrunk, slot_lora.b, out=out)
         out.mul_(slot_lora.col_scale)
     y.index_add_(0, segs.token_indices, delta)
