@@ -55,10 +55,15 @@ def _greedy_kwargs(model: Any, max_new_tokens: int) -> dict[str, object]:
 
 
 @torch.inference_mode()
-def run_one_at_a_time(model: Any, requests: list[BenchRequest]) -> HFResult:
+def run_one_at_a_time(
+    model: Any, requests: list[BenchRequest], *, peft: bool = False
+) -> HFResult:
+    """peft: `model` is a PeftModel; each request runs alone on its adapter (set_adapter)."""
     start = time.perf_counter()
     tokens = 0
     for r in requests:
+        if peft:
+            model.set_adapter(r.model)
         ids = torch.tensor([r.prompt_token_ids])
         out = model.generate(
             input_ids=ids,
@@ -66,14 +71,18 @@ def run_one_at_a_time(model: Any, requests: list[BenchRequest]) -> HFResult:
             **_greedy_kwargs(model, r.max_tokens),
         )
         tokens += out.shape[1] - ids.shape[1]
-    return HFResult("hf_one_at_a_time", len(requests), tokens, time.perf_counter() - start)
+    mode = "peft_one_at_a_time" if peft else "hf_one_at_a_time"
+    return HFResult(mode, len(requests), tokens, time.perf_counter() - start)
 
 
 @torch.inference_mode()
-def run_static_batches(model: Any, requests: list[BenchRequest], batch_size: int) -> HFResult:
+def run_static_batches(
+    model: Any, requests: list[BenchRequest], batch_size: int, *, peft: bool = False
+) -> HFResult:
     """Left-padded static batches; a batch runs until its longest request is done.
 
-    Only each request's own max_tokens count as delivered output.
+    Only each request's own max_tokens count as delivered output. peft: `model` is a
+    PeftModel and a batch mixes the requests' adapters (`adapter_names`).
     """
     start = time.perf_counter()
     tokens = 0
@@ -87,8 +96,10 @@ def run_static_batches(model: Any, requests: list[BenchRequest], batch_size: int
             ids[row, width - n :] = torch.tensor(r.prompt_token_ids)
             mask[row, width - n :] = 1
         longest = max(r.max_tokens for r in batch)
-        model.generate(input_ids=ids, attention_mask=mask, **_greedy_kwargs(model, longest))
+        kwargs = _greedy_kwargs(model, longest)
+        if peft:
+            kwargs["adapter_names"] = [r.model for r in batch]
+        model.generate(input_ids=ids, attention_mask=mask, **kwargs)
         tokens += sum(r.max_tokens for r in batch)
-    return HFResult(
-        f"hf_static_batch_{batch_size}", len(requests), tokens, time.perf_counter() - start
-    )
+    mode = f"{'peft' if peft else 'hf'}_static_batch_{batch_size}"
+    return HFResult(mode, len(requests), tokens, time.perf_counter() - start)

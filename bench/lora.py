@@ -16,10 +16,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from bench.adapters import ALL_LINEAR, ATTENTION, write_random_adapter
-from bench.hf_baseline import HFResult, _greedy_kwargs, load_hf_model
+from bench.hf_baseline import HFResult, load_hf_model, run_one_at_a_time, run_static_batches
 from bench.server import running_server
 from bench.throughput import machine_description, model_name, print_row
 from bench.workload import BenchRequest, LoadResult, make_requests, percentile, run_load
@@ -201,50 +199,6 @@ def run_scaling(opts: LoRABenchOptions) -> dict[str, Any]:
 # ---------------------------------------------------------------------------- vs PEFT
 
 
-@torch.inference_mode()
-def peft_one_at_a_time(model: Any, requests: list[BenchRequest]) -> HFResult:
-    start = time.perf_counter()
-    tokens = 0
-    for r in requests:
-        model.set_adapter(r.model)
-        ids = torch.tensor([r.prompt_token_ids])
-        out = model.generate(
-            input_ids=ids,
-            attention_mask=torch.ones_like(ids),
-            **_greedy_kwargs(model, r.max_tokens),
-        )
-        tokens += out.shape[1] - ids.shape[1]
-    return HFResult("peft_one_at_a_time", len(requests), tokens, time.perf_counter() - start)
-
-
-@torch.inference_mode()
-def peft_static_batches(model: Any, requests: list[BenchRequest], batch_size: int) -> HFResult:
-    """Left-padded static batches of mixed adapters (PEFT `adapter_names`); a batch runs
-    until its longest request is done; only each request's own tokens count."""
-    start = time.perf_counter()
-    tokens = 0
-    for i in range(0, len(requests), batch_size):
-        batch = requests[i : i + batch_size]
-        width = max(len(r.prompt_token_ids) for r in batch)
-        ids = torch.zeros(len(batch), width, dtype=torch.long)
-        mask = torch.zeros(len(batch), width, dtype=torch.long)
-        for row, r in enumerate(batch):
-            n = len(r.prompt_token_ids)
-            ids[row, width - n :] = torch.tensor(r.prompt_token_ids)
-            mask[row, width - n :] = 1
-        longest = max(r.max_tokens for r in batch)
-        model.generate(
-            input_ids=ids,
-            attention_mask=mask,
-            adapter_names=[r.model for r in batch],
-            **_greedy_kwargs(model, longest),
-        )
-        tokens += sum(r.max_tokens for r in batch)
-    return HFResult(
-        f"peft_static_batch_{batch_size}", len(requests), tokens, time.perf_counter() - start
-    )
-
-
 def load_peft_model(model_dir: Path, adapters: dict[str, Path]) -> Any:
     from peft import PeftModel
 
@@ -299,10 +253,11 @@ def run_vs_peft(opts: LoRABenchOptions) -> dict[str, Any]:
             )
         print_row(f"engine #{round_index}", engine_runs[-1].summary())
         if round_index == 0:
-            peft_one_at_a_time(peft, [BenchRequest(requests[0].prompt_token_ids[:8], 2, names[0])])
-        single_runs.append(peft_one_at_a_time(peft, requests))
+            warm_peft = [BenchRequest(requests[0].prompt_token_ids[:8], 2, names[0])]
+            run_one_at_a_time(peft, warm_peft, peft=True)
+        single_runs.append(run_one_at_a_time(peft, requests, peft=True))
         print_row(f"peft one-at-a-time #{round_index}", single_runs[-1].summary())
-        static_runs.append(peft_static_batches(peft, requests, opts.hf_batch_size))
+        static_runs.append(run_static_batches(peft, requests, opts.hf_batch_size, peft=True))
         print_row(f"peft static x{opts.hf_batch_size} #{round_index}", static_runs[-1].summary())
     engine = max(engine_runs, key=lambda r: r.output_tokens_per_s)
     single = max(single_runs, key=lambda r: r.output_tokens_per_s)

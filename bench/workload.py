@@ -95,15 +95,22 @@ def make_requests(
     return out
 
 
-async def _one_stream(
-    client: httpx.AsyncClient, base_model: str, req: BenchRequest
-) -> RequestTiming:
-    body = {
+def _completion_body(base_model: str, req: BenchRequest) -> dict[str, object]:
+    """Greedy, every requested token generated (ignore_eos): the same work on any run."""
+    return {
         "model": req.model or base_model,
         "prompt": req.prompt_token_ids,
         "max_tokens": req.max_tokens,
         "temperature": 0,
         "ignore_eos": True,
+    }
+
+
+async def _one_stream(
+    client: httpx.AsyncClient, base_model: str, req: BenchRequest
+) -> RequestTiming:
+    body = {
+        **_completion_body(base_model, req),
         "stream": True,
         "stream_options": {"include_usage": True},
     }
@@ -141,15 +148,8 @@ async def _one_request(
     client: httpx.AsyncClient, base_model: str, req: BenchRequest
 ) -> RequestTiming:
     """Non-streaming: one JSON response; TTFT is unknown and reported as the e2e time."""
-    body = {
-        "model": req.model or base_model,
-        "prompt": req.prompt_token_ids,
-        "max_tokens": req.max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-    }
     start = time.perf_counter()
-    resp = await client.post("/v1/completions", json=body)
+    resp = await client.post("/v1/completions", json=_completion_body(base_model, req))
     end = time.perf_counter()
     if resp.status_code != 200:
         raise RuntimeError(f"HTTP {resp.status_code}: {resp.text}")

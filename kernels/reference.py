@@ -351,10 +351,6 @@ class PackedLoRA:
     b_slices: tuple[tuple[int, int, int, int, torch.Tensor], ...]
     col_scale: torch.Tensor
 
-    @property
-    def nbytes(self) -> int:
-        return self.a_t.nbytes + self.b.nbytes + self.col_scale.nbytes
-
 
 def pack_lora_slot(
     slices: list[tuple[torch.Tensor, torch.Tensor, float] | None],

@@ -55,10 +55,8 @@ class LoRAGroup:
         self.packed: list[ref.PackedLoRA | None] = [None] * num_slots
         self.ranks = torch.zeros(num_slots, num_slices, dtype=torch.int32, device=device)
         self.scalings = torch.zeros(num_slots, num_slices, dtype=torch.float32, device=device)
-        # Host copies: the CPU path and the "does this step touch me" test never read
-        # the device.
-        self.rank_table = [[0] * num_slices for _ in range(num_slots)]
-        self.scale_table = [[0.0] * num_slices for _ in range(num_slots)]
+        # Host-side "does this slot adapt any slice of this group": a step whose segments
+        # touch none of them skips the group without reading the device.
         self.slot_active = [False] * num_slots
 
     def set_slot(self, slot: int, modules: Sequence[LoRAModule | None]) -> None:
@@ -91,16 +89,12 @@ class LoRAGroup:
             )
         self.ranks[slot] = torch.tensor(ranks, dtype=torch.int32)
         self.scalings[slot] = torch.tensor(scales, dtype=torch.float32)
-        self.rank_table[slot] = ranks
-        self.scale_table[slot] = scales
         self.slot_active[slot] = any(ranks)
 
     def clear_slot(self, slot: int) -> None:
         self.packed[slot] = None
         self.ranks[slot] = 0
         self.scalings[slot] = 0.0
-        self.rank_table[slot] = [0] * len(self.slice_sizes)
-        self.scale_table[slot] = [0.0] * len(self.slice_sizes)
         self.slot_active[slot] = False
 
     def apply(self, y: torch.Tensor, x: torch.Tensor, segs: ref.LoRASegments) -> None:
@@ -155,13 +149,3 @@ class LoRASlots:
         for by_name in self.groups:
             for group in by_name.values():
                 group.clear_slot(slot)
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes the slots hold now (CUDA: the whole stacked buffers)."""
-        total = 0
-        for by_name in self.groups:
-            for g in by_name.values():
-                total += g.lora_a.nbytes + g.lora_b.nbytes
-                total += sum(p.nbytes for p in g.packed if p is not None)
-        return total

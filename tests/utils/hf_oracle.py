@@ -22,13 +22,18 @@ def hf_greedy(
     model_dir: Path, prompt_token_ids: list[int], max_new_tokens: int, *, ignore_eos: bool = False
 ) -> list[int]:
     """Token ids HF generates after the prompt, EOS included when it stops on one."""
-    model = _hf_model(str(model_dir))
+    return _greedy(_hf_model(str(model_dir)), prompt_token_ids, max_new_tokens, ignore_eos)
+
+
+def _greedy(
+    model: torch.nn.Module, prompt_token_ids: list[int], max_new_tokens: int, ignore_eos: bool
+) -> list[int]:
     ids = torch.tensor([prompt_token_ids])
     kwargs: dict[str, object] = {}
     if ignore_eos:
         kwargs["min_new_tokens"] = max_new_tokens
     eos = model.generation_config.eos_token_id
-    out = model.generate(
+    out = model.generate(  # type: ignore[operator]
         input_ids=ids,
         attention_mask=torch.ones_like(ids),
         do_sample=False,
@@ -66,14 +71,5 @@ def peft_greedy(
     model = _peft_model(
         str(model_dir), tuple(sorted((name, str(path)) for name, path in adapters.items()))
     )
-    model.set_adapter(adapter)
-    ids = torch.tensor([prompt_token_ids])
-    eos = model.generation_config.eos_token_id
-    out = model.generate(
-        input_ids=ids,
-        attention_mask=torch.ones_like(ids),
-        do_sample=False,
-        max_new_tokens=max_new_tokens,
-        pad_token_id=eos if isinstance(eos, int) else (eos[0] if eos else 0),
-    )
-    return [int(t) for t in out[0, ids.shape[1] :]]
+    model.set_adapter(adapter)  # type: ignore[operator]
+    return _greedy(model, prompt_token_ids, max_new_tokens, ignore_eos=False)
