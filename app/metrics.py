@@ -13,7 +13,8 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from engine.client import AdapterCacheCounters, EngineClient
+from engine.client import EngineClient
+from engine.lora.cache import AdapterCacheStats
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
@@ -78,7 +79,7 @@ class _EngineCollector(Collector):
         yield from _adapter_cache_metrics(cache)
 
 
-def _adapter_cache_metrics(cache: AdapterCacheCounters) -> Iterator[Metric]:
+def _adapter_cache_metrics(cache: AdapterCacheStats) -> Iterator[Metric]:
     residency = GaugeMetricFamily(
         "loraplex_adapters_resident",
         "Adapters resident per cache tier (device slots, host memory).",
@@ -122,13 +123,15 @@ def _adapter_cache_metrics(cache: AdapterCacheCounters) -> Iterator[Metric]:
     )
     buckets = [
         ("+Inf" if bound == float("inf") else repr(float(bound)), count)
-        for bound, count in cache.load_latency_buckets
+        for bound, count in zip(
+            cache.load_latency.bounds, cache.load_latency.cumulative_counts, strict=True
+        )
     ]
     yield HistogramMetricFamily(
         "loraplex_adapter_load_seconds",
         "Time from disk to host memory of adapter loads (read and validation).",
         buckets=buckets,
-        sum_value=cache.load_latency_sum,
+        sum_value=cache.load_latency.sum,
     )
 
 

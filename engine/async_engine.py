@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine.client import AdapterCacheCounters, AdapterInfo, EngineStats
+from engine.client import AdapterInfo, EngineStats
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore
 from engine.request import Request, RequestOutput, SamplingParams
@@ -121,27 +121,6 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         core = self.core
         bm = core.block_manager
-        cache = core.adapter_cache
-        counters: AdapterCacheCounters | None = None
-        if cache is not None:
-            c = cache.stats()
-            hist = c.load_latency
-            counters = AdapterCacheCounters(
-                device_hits=c.device_hits,
-                device_misses=c.device_misses,
-                loads=c.loads,
-                load_failures=c.load_failures,
-                device_evictions=c.device_evictions,
-                host_evictions=c.host_evictions,
-                num_device=c.num_device,
-                num_host=c.num_host,
-                num_loading=c.num_loading,
-                num_queued=c.num_queued,
-                device_slots=self.config.max_loras,
-                host_capacity=self.config.max_cpu_loras,
-                load_latency_buckets=list(zip(hist.bounds, hist.cumulative_counts, strict=True)),
-                load_latency_sum=hist.sum,
-            )
         return EngineStats(
             num_running=core.scheduler.num_running,
             num_waiting=core.scheduler.num_waiting,
@@ -152,7 +131,7 @@ class AsyncEngine:
             prefix_cache_hits=bm.prefix_cache_hits,
             prefix_cache_queries=bm.prefix_cache_queries,
             num_adapters=len(core.list_adapters()),
-            adapter_cache=counters,
+            adapter_cache=None if core.adapter_cache is None else core.adapter_cache.stats(),
         )
 
     def get_adapter(self, name: str) -> AdapterInfo | None:

@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from engine.lora.cache import AdapterCacheStats
 from engine.request import RequestOutput, SamplingParams
 
 
@@ -35,25 +36,6 @@ class AdapterInfo:
 
 
 @dataclass(slots=True)
-class AdapterCacheCounters:
-    device_hits: int
-    device_misses: int
-    loads: int
-    load_failures: int
-    device_evictions: int
-    host_evictions: int
-    num_device: int  # adapters resident in device slots
-    num_host: int  # adapters resident in host memory
-    num_loading: int
-    num_queued: int
-    device_slots: int
-    host_capacity: int
-    # Load latency: (upper bound, cumulative count) per bucket, the last bound +Inf.
-    load_latency_buckets: list[tuple[float, int]]
-    load_latency_sum: float
-
-
-@dataclass(slots=True)
 class EngineStats:
     num_running: int
     num_waiting: int
@@ -64,7 +46,7 @@ class EngineStats:
     prefix_cache_hits: int  # tokens served from the prefix cache, cumulative
     prefix_cache_queries: int  # prompt tokens looked up, cumulative
     num_adapters: int = 0  # adapters registered
-    adapter_cache: AdapterCacheCounters | None = None  # None: LoRA disabled
+    adapter_cache: AdapterCacheStats | None = None  # None: LoRA disabled
 
 
 class EngineClient(Protocol):

@@ -72,6 +72,8 @@ class AdapterCacheStats:
     num_loading: int  # loads in flight
     num_queued: int  # loads waiting for room on the host tier
     load_latency: LatencyHistogram  # durations of successful loads
+    device_slots: int  # max_loras
+    host_capacity: int  # max_cpu_loras
 
 
 @dataclass(frozen=True, slots=True)
@@ -332,6 +334,8 @@ class AdapterCache:
                     sum=self._latency_sum,
                     count=total,
                 ),
+                device_slots=self.max_loras,
+                host_capacity=self.max_cpu_loras,
             )
 
     def close(self, timeout: float = 1.0) -> None:
