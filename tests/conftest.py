@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -51,3 +51,43 @@ def tiny_model_factory(
         return made[variant]
 
     return make
+
+
+# ------------------------------------------------------------------ databases, Redis
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """A fresh database at the head revision, once on SQLite and once on PostgreSQL."""
+    from tests.utils.databases import migrated_database
+
+    with migrated_database(request.param, tmp_path) as url:
+        yield url
+
+
+@pytest.fixture
+def sqlite_url(tmp_path: Path) -> Iterator[str]:
+    """A fresh SQLite database at the head revision (tests that need only one backend)."""
+    from tests.utils.databases import migrated_database
+
+    with migrated_database("sqlite", tmp_path) as url:
+        yield url
+
+
+@pytest.fixture
+def redis_url() -> Iterator[str]:
+    """The real Redis on 127.0.0.1:6379, in a database flushed before and after the test."""
+    import redis
+
+    url = os.environ.get("LORAPLEX_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
+    client = redis.Redis.from_url(url, socket_connect_timeout=3)
+    try:
+        client.ping()
+    except redis.RedisError as exc:
+        pytest.fail(f"Redis is not reachable at {url}: {exc}")
+    client.flushdb()
+    try:
+        yield url
+    finally:
+        client.flushdb()
+        client.close()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import ipaddress
+import os
+import secrets
 from pathlib import Path
 from typing import Literal
 
@@ -12,6 +14,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 # Keys that must never guard a production deployment.
 _WEAK_ADMIN_KEYS = frozenset({"", "changeme", "change-me", "admin", "secret", "password"})
 _MIN_ADMIN_KEY_CHARS = 16
+_MIN_SECRET_CHARS = 32
 
 
 def is_loopback_host(host: str) -> bool:
@@ -36,7 +39,11 @@ class Settings(BaseSettings):
     # Bootstrap key of the admin API.
     admin_key: str | None = None
 
-    # Placeholders for the tenant registry and shared limits; read without the prefix.
+    # Keys are stored as HMAC-SHA256 with this secret. Development: generated once and
+    # kept in <data_dir>/secret_key; production: must be set (LORAPLEX_SECRET_KEY).
+    secret_key: str | None = None
+
+    # The tenant registry and the shared limits; read without the prefix.
     database_url: str | None = Field(
         default=None, validation_alias=AliasChoices("database_url", "DATABASE_URL")
     )
@@ -58,6 +65,20 @@ class Settings(BaseSettings):
     # Stop strings are checked on every generated token; cap how many a request sends.
     max_stop_sequences: int = Field(default=16, ge=1)
 
+    # Replicas pick up key revocations and tenant or adapter changes this often.
+    refresh_interval_s: float = Field(default=0.5, gt=0, le=10)
+    # When Redis fails: "open" admits within per-process limits (and counts it in a
+    # metric), "closed" answers 503.
+    quota_failure_mode: Literal["open", "closed"] = "open"
+    # A concurrency lease expires this long after its last renewal (a crashed request's
+    # slot comes back by itself); running requests renew theirs every third of it.
+    lease_ttl_s: float = Field(default=30.0, gt=0)
+    # Usage records: written in batches of up to this many, at least this often.
+    usage_batch_size: int = Field(default=500, ge=1)
+    usage_flush_interval_s: float = Field(default=0.25, gt=0)
+    # Adapter uploads (archives) may not be larger than this.
+    max_upload_bytes: int = Field(default=1024 * 1024 * 1024, ge=1024)
+
     @property
     def resolved_database_url(self) -> str:
         if self.database_url:
@@ -78,4 +99,23 @@ class Settings(BaseSettings):
                     "LORAPLEX_ADMIN_KEY must be set to a random secret of at least "
                     f"{_MIN_ADMIN_KEY_CHARS} characters in production"
                 )
+            secret = self.secret_key or ""
+            if secret.lower() in _WEAK_ADMIN_KEYS or len(secret) < _MIN_SECRET_CHARS:
+                raise ValueError(
+                    "LORAPLEX_SECRET_KEY must be set to a random secret of at least "
+                    f"{_MIN_SECRET_CHARS} characters in production"
+                )
         return self
+
+    def resolved_secret_key(self) -> str:
+        """The configured secret, or (development only) one generated once under data_dir."""
+        if self.secret_key:
+            return self.secret_key
+        assert self.environment == "development", "validated: production sets a secret"
+        path = self.data_dir / "secret_key"
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(secrets.token_urlsafe(32))
+        return path.read_text().strip()

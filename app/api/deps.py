@@ -1,0 +1,64 @@
+"""Route dependencies: the caller (from its bearer key), scopes, database sessions."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Annotated
+
+from fastapi import Depends, Request
+from sqlalchemy.orm import Session
+
+from app.api.errors import APIError
+from app.api.state import AppState, AppStateDep
+from app.core.principal import LOCAL_PRINCIPAL, Principal
+from app.models import Scope
+
+
+def get_principal(request: Request, state: AppStateDep) -> Principal:
+    """The caller; 401 `invalid_api_key` for a missing, malformed, unknown, expired or
+    revoked key. Without auth (--no-auth, loopback only) everyone is the local admin."""
+    if state.settings.no_auth:
+        principal = LOCAL_PRINCIPAL
+    else:
+        principal = state.directory.authenticate(request.headers.get("authorization"))
+    request.state.principal = principal
+    return principal
+
+
+CurrentPrincipal = Annotated[Principal, Depends(get_principal)]
+
+
+def forbidden(message: str) -> APIError:
+    return APIError(403, message, code="permission_denied")
+
+
+def get_admin(principal: CurrentPrincipal) -> Principal:
+    if not principal.is_admin:
+        raise forbidden("This route needs an admin key; tenant keys cannot use it.")
+    return principal
+
+
+AdminPrincipal = Annotated[Principal, Depends(get_admin)]
+
+
+def require_scope(scope: Scope) -> object:
+    """A dependency: 403 unless the caller's key has `scope` (admin keys have all)."""
+
+    def check(principal: CurrentPrincipal) -> Principal:
+        if not principal.has_scope(scope):
+            raise forbidden(f"This key lacks the '{scope.value}' scope.")
+        return principal
+
+    return Depends(check)
+
+
+def get_session(state: AppStateDep) -> Iterator[Session]:
+    """A session per request; routes commit what they change."""
+    session = state.db()
+    try:
+        yield session
+    finally:
+        session.close()
+
+
+SessionDep = Annotated[Session, Depends(get_session)]

@@ -1,0 +1,1 @@
+"""Request and response bodies of the admin and tenant APIs (pydantic)."""
