@@ -17,6 +17,7 @@ import uvicorn
 from fastapi import FastAPI
 from pydantic import ValidationError
 
+from app.api.serving import REGISTRY_ENGINE_PREFIX
 from app.core.config import Settings, is_loopback_host
 from app.main import begin_drain, create_app
 from engine.client import EngineClient
@@ -131,6 +132,11 @@ def _parse_loras(
             raise click.BadParameter(f"expected NAME=PATH, got {value!r}", ctx, param)
         if name in loras:
             raise click.BadParameter(f"adapter name {name!r} given twice", ctx, param)
+        if name.startswith(REGISTRY_ENGINE_PREFIX):
+            raise click.BadParameter(
+                f"adapter names starting with {REGISTRY_ENGINE_PREFIX!r} are reserved for "
+                "the adapter registry", ctx, param
+            )
         directory = Path(path)
         if not (directory / "adapter_config.json").is_file():
             raise click.BadParameter(
@@ -207,21 +213,25 @@ def main() -> None:
 def serve(
     host: str | None, port: int | None, loras: dict[str, Path], no_auth: bool, **engine: Any
 ) -> None:
-    """Serve the OpenAI-compatible API with the engine in this process."""
+    """Serve the OpenAI-compatible and admin APIs with the engine in this process.
+
+    Callers need API keys: LORAPLEX_ADMIN_KEY is the bootstrap admin key, which creates
+    tenants and their keys through /admin. --no-auth serves without keys (loopback only).
+    """
     bind = host or _settings().host
-    if not no_auth:
-        raise click.ClickException(
-            "API keys arrive with the tenant registry, which this build does not have yet; "
-            "run with --no-auth to serve without keys on a loopback address."
-        )
-    if not is_loopback_host(bind):
+    if no_auth and not is_loopback_host(bind):
         raise click.UsageError(
             f"--no-auth serves without API keys and only binds a loopback address "
             f"(127.0.0.1, ::1, localhost), not {bind!r}."
         )
-    settings = _settings(host=host, port=port, no_auth=True, preload_loras=loras)
+    settings = _settings(host=host, port=port, no_auth=no_auth, preload_loras=loras)
     config = _engine_config(**engine)
     _setup_logging()
+    if not no_auth and not settings.admin_key:
+        logger.warning(
+            "LORAPLEX_ADMIN_KEY is not set: only admin keys already in the database can "
+            "manage tenants"
+        )
     asyncio.run(serve_engine(config, settings))
 
 
@@ -259,6 +269,35 @@ def demo(port: int | None) -> None:
     _setup_logging()
     asyncio.run(serve_engine(config, settings, on_ready=_print_try_it))
 
+
+
+@main.group()
+def db() -> None:
+    """The service database (DATABASE_URL; default: SQLite under LORAPLEX_DATA_DIR)."""
+
+
+@db.command("upgrade")
+@click.option("--revision", default="head", show_default=True)
+def db_upgrade(revision: str) -> None:
+    """Apply the migrations up to REVISION (run once per release, before the servers)."""
+    from app.db import upgrade
+
+    settings = _settings()
+    _setup_logging()
+    upgrade(settings.resolved_database_url, revision)
+    click.echo(f"database upgraded to {revision}")
+
+
+@db.command("downgrade")
+@click.argument("revision")
+def db_downgrade(revision: str) -> None:
+    """Revert the migrations down to REVISION ("base": an empty database)."""
+    from app.db import downgrade
+
+    settings = _settings()
+    _setup_logging()
+    downgrade(settings.resolved_database_url, revision)
+    click.echo(f"database downgraded to {revision}")
 
 
 def _register_subcommands() -> None:

@@ -9,6 +9,8 @@ from typing import Any
 
 from alembic import command
 from alembic.config import Config as AlembicConfig
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
@@ -79,6 +81,39 @@ def alembic_config(url: str) -> AlembicConfig:
     # '%' is interpolation syntax in Alembic's config parser.
     config.set_main_option("sqlalchemy.url", normalize_url(url).replace("%", "%%"))
     return config
+
+
+def current_revision(engine: Engine) -> str | None:
+    with engine.connect() as connection:
+        return MigrationContext.configure(connection).get_current_revision()
+
+
+def head_revision() -> str | None:
+    return ScriptDirectory.from_config(alembic_config("sqlite://")).get_current_head()
+
+
+class SchemaOutOfDate(RuntimeError):
+    pass
+
+
+def prepare_database(engine: Engine) -> None:
+    """Bring an embedded SQLite database to the head revision; refuse to serve a
+    PostgreSQL database that is not there yet.
+
+    NOTE: replicas sharing a PostgreSQL database must not race to migrate it at start;
+    the operator runs `loraplex db upgrade` (a Kubernetes Job, an init container) first.
+    """
+    head = head_revision()
+    if current_revision(engine) == head:
+        return
+    if engine.dialect.name == "sqlite":
+        upgrade(engine.url.render_as_string(hide_password=False))
+        return
+    current = current_revision(engine)
+    raise SchemaOutOfDate(
+        f"the database is at revision {current or 'none (empty)'}, this release needs "
+        f"{head}: run `loraplex db upgrade` with the same DATABASE_URL first"
+    )
 
 
 def upgrade(url: str, revision: str = "head") -> None:

@@ -1,20 +1,43 @@
-"""The FastAPI application: OpenAI-compatible routes in front of an EngineClient."""
+"""The FastAPI application: OpenAI-compatible and admin routes in front of an EngineClient,
+with the service's database, key directory, quota limiter, usage recorder and registry."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from importlib.metadata import PackageNotFoundError, version
 
 from fastapi import FastAPI
+from sqlalchemy import Engine
 
 from app.api.errors import install_exception_handlers
 from app.api.middleware import RequestContextMiddleware
-from app.api.routes import chat, completions, health, models
+from app.api.routes import (
+    adapters,
+    admin_engine,
+    admin_tenants,
+    chat,
+    completions,
+    health,
+    models,
+    usage,
+)
 from app.api.state import AppState
 from app.core.config import Settings
+from app.db import make_engine, prepare_database, session_factory
+from app.directory import Directory
+from app.metering.recorder import UsageRecorder
 from app.metrics import Metrics
+from app.quotas import make_limiter
+from app.registry.service import AdapterRegistry
 from engine.client import EngineClient
+
+logger = logging.getLogger(__name__)
+
+# Routes whose bodies are adapter archives: they enforce their own, larger, streamed limit.
+UPLOAD_PATHS = frozenset({"/admin/adapters", "/v1/adapters"})
 
 
 def _version() -> str:
@@ -25,23 +48,90 @@ def _version() -> str:
 
 
 def create_app(engine: EngineClient, settings: Settings) -> FastAPI:
-    """Build the app around an engine that is already started; the caller shuts it down."""
-    state = AppState(engine=engine, settings=settings, metrics=Metrics(engine))
+    """Build the app around an engine that is already started; the caller shuts it down.
+
+    The database is opened (and an embedded SQLite one upgraded) here; background work
+    (key refresh, usage writer, engine registration of adapters) runs while the app's
+    lifespan does.
+    """
+    db_engine = make_engine(settings.resolved_database_url)
+    try:
+        prepare_database(db_engine)
+    except BaseException:
+        db_engine.dispose()
+        raise
+    db = session_factory(db_engine)
+    metrics = Metrics(engine)
+    directory = Directory(
+        db,
+        secret=settings.resolved_secret_key(),
+        admin_key=settings.admin_key,
+        refresh_interval_s=settings.refresh_interval_s,
+    )
+    directory.load()
+    state = AppState(
+        engine=engine,
+        settings=settings,
+        metrics=metrics,
+        db=db,
+        directory=directory,
+        limiter=make_limiter(
+            settings.redis_url,
+            mode=settings.quota_failure_mode,
+            lease_ttl_s=settings.lease_ttl_s,
+            on_fail_open=metrics.observe_quota_fail_open,
+        ),
+        usage=UsageRecorder(
+            db,
+            settings.data_dir / "spool" / "usage",
+            batch_size=settings.usage_batch_size,
+            flush_interval_s=settings.usage_flush_interval_s,
+            on_db_error=metrics.observe_usage_db_error,
+        ),
+        registry=AdapterRegistry(db, engine, settings),
+    )
+    metrics.watch_services(state.usage, directory)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        yield
-        state.draining = True
+        await _start_services(state)
+        try:
+            yield
+        finally:
+            state.draining = True
+            await _stop_services(state, db_engine)
 
     app = FastAPI(title="loraplex", version=_version(), lifespan=lifespan)
     app.state.loraplex = state
     install_exception_handlers(app)
     app.add_middleware(
-        RequestContextMiddleware, max_body_bytes=settings.max_body_bytes, metrics=state.metrics
+        RequestContextMiddleware,
+        max_body_bytes=settings.max_body_bytes,
+        metrics=state.metrics,
+        unlimited_paths=UPLOAD_PATHS,
     )
-    for module in (completions, chat, models, health):
+    for module in (
+        completions, chat, models, health, adapters, admin_tenants, usage, admin_engine
+    ):
         app.include_router(module.router)
     return app
+
+
+async def _start_services(state: AppState) -> None:
+    state.usage.start()
+    await state.registry.start()
+    state.directory.add_listener(state.registry.on_versions_changed)
+    await state.directory.start()
+
+
+async def _stop_services(state: AppState, db_engine: Engine) -> None:
+    # NOTE: in this order: nothing new is registered or refreshed, then the usage of
+    # every finished request reaches the database (or the durable spool).
+    await state.directory.stop()
+    await state.registry.stop()
+    await asyncio.to_thread(state.usage.close)
+    await state.limiter.close()
+    db_engine.dispose()
 
 
 def begin_drain(app: FastAPI) -> None:

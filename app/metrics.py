@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import (
@@ -23,8 +24,19 @@ _E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 30
 # Label values of routes; anything else is "other" so that scanners cannot blow up
 # the number of series.
 KNOWN_ROUTES = frozenset(
-    {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/ready", "/metrics"}
+    {
+        "/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/usage", "/v1/adapters",
+        "/health", "/ready", "/metrics", "/admin/tenants", "/admin/adapters", "/admin/usage",
+        "/admin/engine", "/admin/keys", "/admin/audit",
+    }
 )
+# Gateway overhead: time a request spends outside the engine (auth, quotas, tokenizing,
+# rendering); milliseconds matter here.
+_OVERHEAD_BUCKETS = (
+    0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.025, 0.05, 0.1, 0.25, 1.0
+)
+# Label value of requests without a tenant (admin keys, --no-auth).
+NO_TENANT = "-"
 
 
 class _EngineCollector(Collector):
@@ -135,10 +147,74 @@ def _adapter_cache_metrics(cache: AdapterCacheStats) -> Iterator[Metric]:
     )
 
 
+class ServiceProbe(Protocol):
+    @property
+    def num_pending(self) -> int: ...
+
+
+class DirectoryProbe(Protocol):
+    def seconds_since_refresh(self) -> float: ...
+
+
+class _ServiceCollector(Collector):
+    def __init__(self, usage: ServiceProbe, directory: DirectoryProbe) -> None:
+        self._usage = usage
+        self._directory = directory
+
+    def collect(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily(
+            "loraplex_usage_records_pending",
+            "Usage records not yet in the database (in memory or in the local spool).",
+            value=self._usage.num_pending,
+        )
+        yield GaugeMetricFamily(
+            "loraplex_directory_staleness_seconds",
+            "Seconds since keys, tenants and adapters were last refreshed from the database.",
+            value=self._directory.seconds_since_refresh(),
+        )
+
+
 class Metrics:
     def __init__(self, engine: EngineClient) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(_EngineCollector(engine))
+        self.tenant_requests = Counter(
+            "loraplex_tenant_requests",
+            "API generation requests by tenant, model (base or adapter name) and status "
+            "(ok, aborted, error).",
+            ["tenant", "model", "status"],
+            registry=self.registry,
+        )
+        self.tenant_tokens = Counter(
+            "loraplex_tenant_tokens",
+            "Billed tokens by tenant, model and kind (prompt, completion).",
+            ["tenant", "model", "kind"],
+            registry=self.registry,
+        )
+        self.rejections = Counter(
+            "loraplex_rejections",
+            "Generation requests refused before they ran, by tenant and reason (rpm, tpm, "
+            "concurrency, monthly_tokens, max_tokens_exceeded, model_not_found, ...).",
+            ["tenant", "reason"],
+            registry=self.registry,
+        )
+        self.gateway_overhead = Histogram(
+            "loraplex_gateway_overhead_seconds",
+            "Time a generation request spends outside the engine, by tenant.",
+            ["tenant"],
+            buckets=_OVERHEAD_BUCKETS,
+            registry=self.registry,
+        )
+        self.quota_fail_open = Counter(
+            "loraplex_quota_fail_open",
+            "Admissions decided by the per-process limiter because Redis was unavailable.",
+            registry=self.registry,
+        )
+        self.usage_db_errors = Counter(
+            "loraplex_usage_db_errors",
+            "Failed attempts to write usage records to the database (they stay spooled).",
+            registry=self.registry,
+        )
         self.http_requests = Counter(
             "loraplex_http_requests",
             "HTTP requests by route and status code.",
@@ -194,6 +270,36 @@ class Metrics:
             buckets=_E2E_BUCKETS,
             registry=self.registry,
         )
+
+    def watch_services(self, usage: ServiceProbe, directory: DirectoryProbe) -> None:
+        self.registry.register(_ServiceCollector(usage, directory))
+
+    def observe_tenant_request(
+        self,
+        *,
+        tenant: str | None,
+        model: str,
+        status: str,
+        prompt_tokens: int,
+        completion_tokens: int,
+        gateway_overhead_s: float,
+    ) -> None:
+        tenant = tenant or NO_TENANT
+        self.tenant_requests.labels(tenant=tenant, model=model, status=status).inc()
+        self.tenant_tokens.labels(tenant=tenant, model=model, kind="prompt").inc(prompt_tokens)
+        self.tenant_tokens.labels(tenant=tenant, model=model, kind="completion").inc(
+            completion_tokens
+        )
+        self.gateway_overhead.labels(tenant=tenant).observe(gateway_overhead_s)
+
+    def observe_rejection(self, *, tenant: str | None, reason: str) -> None:
+        self.rejections.labels(tenant=tenant or NO_TENANT, reason=reason).inc()
+
+    def observe_quota_fail_open(self, reason: str = "") -> None:
+        self.quota_fail_open.inc()
+
+    def observe_usage_db_error(self, exc: BaseException | None = None) -> None:
+        self.usage_db_errors.inc()
 
     def observe_http(self, path: str, status: int) -> None:
         route = path if path in KNOWN_ROUTES else "other"

@@ -11,9 +11,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine.client import AdapterInfo, EngineStats
+from engine.client import AdapterInfo, AdapterPlacement, EngineStats
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore
+from engine.lora.peft import _module_shape as module_shape
+from engine.lora.weights import TARGET_MODULES
+from engine.model_loader import ModelConfig
 from engine.request import Request, RequestOutput, SamplingParams
 
 log = logging.getLogger("loraplex.engine")
@@ -21,6 +24,9 @@ log = logging.getLogger("loraplex.engine")
 # With requests queued but nothing runnable (adapters loading), the step thread sleeps at
 # most this long between checks; a finished load wakes it at once.
 _IDLE_WAIT_S = 0.05
+# adapter_config.json (rank_pattern / alpha_pattern may name every module) and the
+# safetensors header's fixed part.
+_ADAPTER_FILES_SLACK = 1024 * 1024
 
 
 class EngineDeadError(RuntimeError):
@@ -151,6 +157,27 @@ class AsyncEngine:
         removed = self.core.remove_adapter(name)
         self._wake()
         return removed
+
+    def adapter_residency(self) -> list[AdapterPlacement]:
+        cache = self.core.adapter_cache
+        if cache is None:
+            return []
+        names = {info.key: info.name for info in self.core.list_adapters()}
+        return [
+            AdapterPlacement(
+                name=names[r.key],
+                slot=r.slot,
+                on_host=r.on_host,
+                loading=r.loading or r.queued,
+                pins=r.pins,
+                reservations=r.reservations,
+            )
+            for r in cache.resident()
+            if r.key in names  # a removed version still finishing is no longer served
+        ]
+
+    def max_adapter_bytes(self) -> int:
+        return max_adapter_bytes(self.core.runner.model_config, self.config.max_lora_rank)
 
     def check_request(self, num_prompt_tokens: int, max_tokens: int) -> None:
         self.core.check_request(num_prompt_tokens, max_tokens)
@@ -290,6 +317,20 @@ class AsyncEngine:
 def _put_all(items: list[tuple[_Stream, Any]]) -> None:
     for stream, item in items:
         stream.queue.put_nowait(item)
+
+
+def max_adapter_bytes(model_config: ModelConfig, max_rank: int) -> int:
+    """Bytes of the largest adapter load_peft_adapter accepts for this base model."""
+    num_params = 0
+    # NOTE: the loader's own shape table, so that the bound and the check never disagree.
+    for module in TARGET_MODULES:
+        in_features, out_features = module_shape(module, model_config)
+        num_params += max_rank * (in_features + out_features)  # lora_A [r, in] + lora_B [out, r]
+    num_tensors = 2 * len(TARGET_MODULES) * model_config.num_layers
+    # float32 is the widest dtype adapters are saved in; each tensor's header entry
+    # (name, dtype, shape, offsets) stays well under 256 bytes of JSON.
+    weights = 4 * num_params * model_config.num_layers + 256 * num_tensors
+    return weights + _ADAPTER_FILES_SLACK
 
 
 def model_id_for(model: str, model_dir: Path) -> str:

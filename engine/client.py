@@ -35,6 +35,18 @@ class AdapterInfo:
     created: int  # unix seconds when this version was added
 
 
+@dataclass(frozen=True, slots=True)
+class AdapterPlacement:
+    """Where one served adapter is right now (for operators)."""
+
+    name: str
+    slot: int | None  # the device slot holding it; None: not on the device
+    on_host: bool  # a host-memory copy is loaded
+    loading: bool  # a load from disk is running or queued
+    pins: int  # running requests using it
+    reservations: int  # waiting requests that asked for it
+
+
 @dataclass(slots=True)
 class EngineStats:
     num_running: int
@@ -100,6 +112,16 @@ class EngineClient(Protocol):
 
     async def remove_adapter(self, name: str) -> bool:
         """Stop accepting requests for `name`; requests in flight finish first."""
+        ...
+
+    def max_adapter_bytes(self) -> int:
+        """The most bytes a PEFT directory this engine would accept can hold: every target
+        module of every layer at the largest rank, in float32, plus room for the
+        safetensors header and adapter_config.json. Uploads beyond it are refused unread."""
+        ...
+
+    def adapter_residency(self) -> list[AdapterPlacement]:
+        """Every served adapter that holds memory, a load, or requests."""
         ...
 
     def stats(self) -> EngineStats: ...

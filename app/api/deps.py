@@ -9,7 +9,7 @@ from fastapi import Depends, Request
 from sqlalchemy.orm import Session
 
 from app.api.errors import APIError
-from app.api.state import AppState, AppStateDep
+from app.api.state import AppStateDep
 from app.core.principal import LOCAL_PRINCIPAL, Principal
 from app.models import Scope
 
@@ -50,6 +50,15 @@ def require_scope(scope: Scope) -> object:
         return principal
 
     return Depends(check)
+
+
+def get_inference_caller(principal: CurrentPrincipal) -> Principal:
+    if not principal.has_scope(Scope.INFERENCE):
+        raise forbidden(f"This key lacks the '{Scope.INFERENCE.value}' scope.")
+    return principal
+
+
+InferencePrincipal = Annotated[Principal, Depends(get_inference_caller)]
 
 
 def get_session(state: AppStateDep) -> Iterator[Session]:

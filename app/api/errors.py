@@ -35,8 +35,11 @@ class APIError(Exception):
         param: str | None = None,
         code: str | None = None,
         headers: Mapping[str, str] | None = None,
+        reason: str | None = None,
     ) -> None:
         super().__init__(message)
+        # What metrics call it, when the code alone is too coarse (which quota ran out).
+        self.reason = reason or code or str(status_code)
         self.status_code = status_code
         self.message = message
         self.type = type
@@ -135,9 +138,25 @@ def _http_exception_error(request: Request, exc: StarletteHTTPException) -> APIE
     return APIError(exc.status_code, message, type=kind, headers=exc.headers)
 
 
+# Routes whose refusals count as rejected generation requests in the metrics.
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+
+
+def _observe_rejection(request: Request, exc: APIError) -> None:
+    if request.url.path not in GENERATION_PATHS:
+        return
+    state = getattr(request.app.state, "loraplex", None)
+    if state is None:
+        return
+    principal = getattr(request.state, "principal", None)
+    tenant = None if principal is None else principal.tenant_id
+    state.metrics.observe_rejection(tenant=tenant, reason=exc.reason)
+
+
 def install_exception_handlers(app: FastAPI) -> None:
     async def on_api_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, APIError)
+        _observe_rejection(request, exc)
         return error_response(exc)
 
     async def on_validation_error(request: Request, exc: Exception) -> JSONResponse:

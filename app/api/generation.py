@@ -5,14 +5,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+from pydantic import BaseModel
 from starlette.requests import Request
-from starlette.responses import StreamingResponse
+from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from app.api.accounting import open_account
 from app.api.errors import (
     SERVER_ERROR,
     APIError,
@@ -20,8 +22,9 @@ from app.api.errors import (
     model_not_found,
     server_error,
 )
-from app.api.serving import GenerationPlan
+from app.api.serving import GenerationPlan, check_admission
 from app.api.state import AppState
+from app.models import UsageStatus
 from engine.client import RequestRejected
 from engine.request import RequestOutput, TokenLogprob
 
@@ -84,6 +87,7 @@ async def run_choices(
     which aborts their requests and frees their KV blocks at once.
     """
     assert len(results) == plan.num_choices
+    account = plan.account
     queue: asyncio.Queue[tuple[int, RequestOutput | BaseException]] = asyncio.Queue()
 
     async def pump(index: int) -> None:
@@ -94,6 +98,7 @@ async def run_choices(
                 plan.prompt_token_ids,
                 plan.sampling[index],
                 adapter_id=plan.adapter_id,
+                salt=plan.salt,
                 priority=plan.priority,
             )
             async for output in stream:
@@ -107,16 +112,24 @@ async def run_choices(
             if aclose is not None:
                 await aclose()
 
+    if account is not None:
+        account.engine_started = time.monotonic()
     tasks = [asyncio.create_task(pump(i)) for i in range(plan.num_choices)]
     deadline = plan.arrival + state.settings.request_timeout_s
     num_open = plan.num_choices
+    # Until every choice has finished, an exit means the client went away.
+    status = UsageStatus.ABORTED
     try:
         while num_open:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise generation_timeout()
+            # NOTE: asyncio.timeout, not wait_for: on Python 3.11 wait_for drops a
+            # cancellation that arrives as the queue hands over an item, and the request
+            # of a client that left would then run to its end.
             try:
-                index, item = await asyncio.wait_for(queue.get(), remaining)
+                async with asyncio.timeout(remaining):
+                    index, item = await queue.get()
             except TimeoutError:
                 raise generation_timeout() from None
             if isinstance(item, RequestRejected) and item.code == "model_not_found":
@@ -135,7 +148,17 @@ async def run_choices(
                 _observe(state, plan, results[index])
                 if item.finish_reason == "abort":
                     raise aborted_by_server()
+                if not num_open and account is not None:
+                    account.engine_finished = time.monotonic()
             yield index, item
+        status = UsageStatus.OK
+    except APIError as exc:
+        # A drain that aborts the request bills it like a client that left.
+        status = UsageStatus.ABORTED if exc.code == "overloaded" else UsageStatus.ERROR
+        raise
+    except Exception:
+        status = UsageStatus.ERROR
+        raise
     finally:
         for task in tasks:
             task.cancel()
@@ -144,6 +167,8 @@ async def run_choices(
             if result.finish_reason is None:
                 result.finish_reason = "abort"
                 _observe(state, plan, result)
+        if account is not None:
+            account.close(status, results)
 
 
 def _observe(state: AppState, plan: GenerationPlan, result: ChoiceResult) -> None:
@@ -192,6 +217,41 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
     return work_task.result()
 
 
+async def serve_generation(
+    request: Request,
+    state: AppState,
+    plan: GenerationPlan,
+    respond: Callable[[AppState, GenerationPlan], Awaitable[BaseModel]],
+    stream: Callable[[AppState, GenerationPlan], AsyncIterator[bytes]],
+) -> Response:
+    """Admit the plan against its tenant's quotas, then run it as one response or a stream.
+
+    However the request ends (finished, failed, client gone before or while it ran), its
+    account is closed exactly once: quota settled, usage recorded.
+    """
+    check_admission(state, plan.num_choices)
+    account = await open_account(state, plan)
+    plan.account = account
+
+    def close_unstarted() -> None:
+        # A no-op when the request ran: run_choices closed the account with its outcome.
+        account.close(UsageStatus.ABORTED, [])
+
+    if plan.stream:
+        return EventStreamResponse(
+            stream(state, plan), headers=account.headers, on_close=close_unstarted
+        )
+    try:
+        result = await unless_disconnected(request, respond(state, plan))
+    finally:
+        close_unstarted()
+    if result is None:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    return Response(
+        result.model_dump_json(), media_type="application/json", headers=account.headers
+    )
+
+
 class EventStreamResponse(StreamingResponse):
     """SSE response that stops its body the moment the client disconnects.
 
@@ -202,11 +262,19 @@ class EventStreamResponse(StreamingResponse):
 
     media_type = "text/event-stream"
 
-    def __init__(self, content: AsyncIterator[bytes]) -> None:
+    def __init__(
+        self,
+        content: AsyncIterator[bytes],
+        *,
+        headers: Mapping[str, str] | None = None,
+        on_close: Callable[[], None] | None = None,
+    ) -> None:
         super().__init__(
-            content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+            content,
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})},
         )
         self._body = content
+        self._on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         stream_task = asyncio.ensure_future(self.stream_response(send))
@@ -220,6 +288,8 @@ class EventStreamResponse(StreamingResponse):
             aclose = getattr(self._body, "aclose", None)
             if aclose is not None:
                 await aclose()
+            if self._on_close is not None:
+                self._on_close()
         if stream_task.cancelled():
             return
         exc = stream_task.exception()

@@ -35,10 +35,19 @@ def request_id_from(headers: Headers) -> str:
 class RequestContextMiddleware:
     """Pure ASGI (not BaseHTTPMiddleware) so that streaming responses pass untouched."""
 
-    def __init__(self, app: ASGIApp, *, max_body_bytes: int, metrics: Metrics) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        max_body_bytes: int,
+        metrics: Metrics,
+        unlimited_paths: frozenset[str] = frozenset(),
+    ) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
         self.metrics = metrics
+        # Routes that stream their bodies to disk and enforce their own (larger) limit.
+        self.unlimited_paths = unlimited_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -91,7 +100,7 @@ class RequestContextMiddleware:
 
     async def _limit_body(self, scope: Scope, headers: Headers, receive: Receive) -> Receive:
         """Refuse bodies over the limit; buffers only chunked bodies (no Content-Length)."""
-        if scope["method"] not in _METHODS_WITH_BODY:
+        if scope["method"] not in _METHODS_WITH_BODY or scope["path"] in self.unlimited_paths:
             return receive
         length = headers.get("content-length")
         if length is not None:

@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator, Sequence
 
 from pydantic import BaseModel
 
+from app.api.accounting import usage_of
 from app.api.errors import APIError
 from app.api.generation import SSE_DONE, ChoiceResult, collect, run_choices, sse_error, sse_event
 from app.api.protocol import (
@@ -21,7 +22,6 @@ from app.api.protocol import (
     CompletionResponse,
     DeltaMessage,
     FinishReason,
-    PromptTokensDetails,
     TopLogprob,
     UsageInfo,
 )
@@ -29,20 +29,6 @@ from app.api.serving import GenerationPlan
 from app.api.state import AppState
 from engine.client import EngineClient
 from engine.request import TokenLogprob
-
-
-def usage_of(plan: GenerationPlan, results: Sequence[ChoiceResult]) -> UsageInfo:
-    # The prompt is counted once however many choices share it, as OpenAI does;
-    # it counts as cached only as far as every choice found it cached.
-    num_prompt = len(plan.prompt_token_ids)
-    num_completion = sum(r.num_output_tokens for r in results)
-    num_cached = min(r.num_cached_tokens for r in results)
-    return UsageInfo(
-        prompt_tokens=num_prompt,
-        completion_tokens=num_completion,
-        total_tokens=num_prompt + num_completion,
-        prompt_tokens_details=PromptTokensDetails(cached_tokens=num_cached),
-    )
 
 
 def _finish_reason(reason: str | None) -> FinishReason | None:

@@ -6,7 +6,7 @@ import json
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
@@ -14,8 +14,12 @@ from pydantic import BaseModel, ValidationError
 from app.api.errors import APIError, invalid_request, model_not_found, overloaded, validation_error
 from app.api.protocol import ChatCompletionRequest, CompletionRequest, GenerationFields
 from app.api.state import AppState
+from app.core.principal import AdapterRef, Principal
 from engine.client import EngineClient
 from engine.request import SamplingParams
+
+if TYPE_CHECKING:
+    from app.api.accounting import RequestAccount
 
 BodyT = TypeVar("BodyT", bound=BaseModel)
 
@@ -31,7 +35,8 @@ class GenerationPlan:
 
     response_id: str  # "cmpl-..." / "chatcmpl-..."; choice i runs as "<response_id>-<i>"
     model: str  # as the client named it; echoed in every response
-    adapter_id: str | None  # None: the base model
+    principal: Principal
+    target: ModelTarget
     prompt_token_ids: list[int]
     sampling: list[SamplingParams]  # one per choice
     priority: int  # lower = served first; requests can only raise it
@@ -39,10 +44,35 @@ class GenerationPlan:
     include_usage: bool
     created: int  # unix seconds, the `created` of every response object
     arrival: float  # time.monotonic() when the request arrived
+    # Quota admission, settlement and metering; set once the request is admitted.
+    account: RequestAccount | None = None
 
     @property
     def num_choices(self) -> int:
         return len(self.sampling)
+
+    @property
+    def adapter_id(self) -> str | None:
+        """The engine's name of the adapter; None: the base model."""
+        return self.target.engine_adapter
+
+    @property
+    def adapter(self) -> AdapterRef | None:
+        return self.target.ref
+
+    @property
+    def metrics_model(self) -> str:
+        return self.target.label
+
+    @property
+    def reserved_tokens(self) -> int:
+        """What the request may use at most: its prompt and every choice's max_tokens."""
+        return len(self.prompt_token_ids) + sum(s.max_tokens for s in self.sampling)
+
+    @property
+    def salt(self) -> str | None:
+        """Prefix-cache salt: no tenant ever reuses another tenant's cached KV."""
+        return self.principal.tenant_id
 
     def engine_request_id(self, index: int) -> str:
         return f"{self.response_id}-{index}"
@@ -92,13 +122,39 @@ def check_admission(state: AppState, num_requests: int) -> None:
         )
 
 
-def resolve_model(engine: EngineClient, model: str) -> str | None:
-    """The adapter a `model` field names, None for the base model; 404 for anything else."""
+# Engine names of registry adapters (AdapterRef.engine_name); others are operator-preloaded.
+REGISTRY_ENGINE_PREFIX = "av/"
+
+
+@dataclass(frozen=True, slots=True)
+class ModelTarget:
+    """What a `model` field resolved to for one caller."""
+
+    engine_adapter: str | None  # the engine's adapter name; None: the base model
+    ref: AdapterRef | None  # a registry adapter version; None: base model or preloaded
+    label: str  # for metrics: the base model id or the adapter's name
+
+
+def resolve_model(state: AppState, principal: Principal, model: str) -> ModelTarget:
+    """The base model, one of the caller's (or the shared) registry adapters, or an adapter
+    preloaded with `--lora`; 404 `model_not_found` for anything else, including other
+    tenants' adapters."""
+    engine = state.engine
     if model == engine.model_id:
-        return None
-    if engine.get_adapter(model) is not None:
-        return model
+        return ModelTarget(engine_adapter=None, ref=None, label=model)
+    ref = state.directory.resolve_adapter(principal.tenant_id, model)
+    if ref is not None:
+        return ModelTarget(engine_adapter=ref.engine_name, ref=ref, label=ref.name)
+    if not model.startswith(REGISTRY_ENGINE_PREFIX) and engine.get_adapter(model) is not None:
+        return ModelTarget(engine_adapter=model, ref=None, label=model)
     raise model_not_found(model)
+
+
+def preloaded_adapters(engine: EngineClient) -> list[str]:
+    """Adapters served to every caller because the operator named them (`--lora`)."""
+    return sorted(
+        a.name for a in engine.list_adapters() if not a.name.startswith(REGISTRY_ENGINE_PREFIX)
+    )
 
 
 def _check_range(
@@ -164,6 +220,57 @@ def _check_common(body: GenerationFields, max_stop: int) -> list[str]:
 def _check_max_tokens(name: str, value: int | None) -> None:
     if value is not None:
         _check_range(name, value, lo=1)
+
+
+def _max_tokens_for(
+    state: AppState, principal: Principal, num_prompt_tokens: int, requested: int | None, *,
+    prompt_param: str, max_tokens_param: str,
+) -> int:
+    """The max_tokens a request runs with: within the model's context and the tenant's
+    limits. An explicit value that does not fit is refused; an omitted one defaults to the
+    tenant's max_tokens (or all the context left) and shrinks to fit."""
+    quotas = None if principal.tenant is None else principal.tenant.quotas
+    limit = None if quotas is None else quotas.max_tokens
+    if requested is not None and limit is not None and requested > limit:
+        raise invalid_request(
+            f"'{max_tokens_param}' is {requested}, above this account's limit of {limit} "
+            "tokens per request. Lower it, or ask for a higher limit.",
+            param=max_tokens_param,
+            code="max_tokens_exceeded",
+        )
+    max_tokens = _check_context(
+        state.engine, num_prompt_tokens, requested,
+        prompt_param=prompt_param, max_tokens_param=max_tokens_param,
+    )
+    if requested is None and limit is not None:
+        max_tokens = min(max_tokens, limit)
+    context = None if quotas is None else quotas.max_context_tokens
+    if context is None or num_prompt_tokens + max_tokens <= context:
+        return max_tokens
+    if num_prompt_tokens >= context:
+        raise invalid_request(
+            f"This account's context limit is {context} tokens, and the prompt alone has "
+            f"{num_prompt_tokens} tokens. Shorten the prompt.",
+            param=prompt_param,
+            code="context_length_exceeded",
+        )
+    if requested is None:
+        return context - num_prompt_tokens
+    raise invalid_request(
+        f"This account's context limit is {context} tokens, but the prompt has "
+        f"{num_prompt_tokens} tokens and '{max_tokens_param}' asks for {requested} more "
+        f"({num_prompt_tokens + requested} in total). Shorten the prompt or lower "
+        f"'{max_tokens_param}'.",
+        param=max_tokens_param,
+        code="context_length_exceeded",
+    )
+
+
+def _priority(principal: Principal, requested: int | None) -> int:
+    """The tenant's tier sets the priority; a request may only lower its own (a higher
+    number is served later)."""
+    base = 0 if principal.tenant is None else principal.tenant.tier.priority
+    return max(base, requested or 0)
 
 
 def _check_context(
@@ -242,7 +349,9 @@ def _completion_prompt(engine: EngineClient, prompt: Any) -> list[int]:
     return token_ids
 
 
-def plan_completion(state: AppState, body: CompletionRequest) -> GenerationPlan:
+def plan_completion(
+    state: AppState, body: CompletionRequest, principal: Principal
+) -> GenerationPlan:
     arrival = time.monotonic()
     if body.echo:
         raise _refuse_unsupported("echo", "'echo' is not supported.")
@@ -254,21 +363,22 @@ def plan_completion(state: AppState, body: CompletionRequest) -> GenerationPlan:
     _check_max_tokens("max_tokens", body.max_tokens)
     if body.logprobs is not None:
         _check_range("logprobs", body.logprobs, lo=0, hi=MAX_COMPLETION_LOGPROBS)
-    adapter_id = resolve_model(state.engine, body.model)
+    target = resolve_model(state, principal, body.model)
     prompt_token_ids = _completion_prompt(state.engine, body.prompt)
-    max_tokens = _check_context(
-        state.engine, len(prompt_token_ids), body.max_tokens,
+    max_tokens = _max_tokens_for(
+        state, principal, len(prompt_token_ids), body.max_tokens,
         prompt_param="prompt", max_tokens_param="max_tokens",
     )
     return GenerationPlan(
         response_id=new_response_id("cmpl"),
         model=body.model,
-        adapter_id=adapter_id,
+        principal=principal,
+        target=target,
         prompt_token_ids=prompt_token_ids,
         sampling=_sampling_per_choice(
             body, max_tokens=max_tokens, stop=stop, logprobs=body.logprobs
         ),
-        priority=body.priority or 0,
+        priority=_priority(principal, body.priority),
         stream=bool(body.stream),
         include_usage=body.include_usage,
         created=int(time.time()),
@@ -298,7 +408,9 @@ def _chat_messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
     return messages
 
 
-def plan_chat(state: AppState, body: ChatCompletionRequest) -> GenerationPlan:
+def plan_chat(
+    state: AppState, body: ChatCompletionRequest, principal: Principal
+) -> GenerationPlan:
     arrival = time.monotonic()
     if body.tools or body.functions:
         param = "tools" if body.tools else "functions"
@@ -322,24 +434,25 @@ def plan_chat(state: AppState, body: ChatCompletionRequest) -> GenerationPlan:
             )
         _check_range("top_logprobs", body.top_logprobs, lo=0, hi=MAX_CHAT_TOP_LOGPROBS)
     messages = _chat_messages(body)
-    adapter_id = resolve_model(state.engine, body.model)
+    target = resolve_model(state, principal, body.model)
     try:
         prompt_token_ids = state.engine.apply_chat_template(messages)
     except ValueError as exc:
         message = f"Could not apply the chat template: {exc}"
         raise invalid_request(message, param="messages") from exc
-    max_tokens = _check_context(
-        state.engine, len(prompt_token_ids), requested_max_tokens,
+    max_tokens = _max_tokens_for(
+        state, principal, len(prompt_token_ids), requested_max_tokens,
         prompt_param="messages", max_tokens_param=max_tokens_param,
     )
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     return GenerationPlan(
         response_id=new_response_id("chatcmpl"),
         model=body.model,
-        adapter_id=adapter_id,
+        principal=principal,
+        target=target,
         prompt_token_ids=prompt_token_ids,
         sampling=_sampling_per_choice(body, max_tokens=max_tokens, stop=stop, logprobs=logprobs),
-        priority=body.priority or 0,
+        priority=_priority(principal, body.priority),
         stream=bool(body.stream),
         include_usage=body.include_usage,
         created=int(time.time()),

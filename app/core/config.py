@@ -115,7 +115,11 @@ class Settings(BaseSettings):
         path = self.data_dir / "secret_key"
         if not path.exists():
             path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(fd, "w") as f:
-                f.write(secrets.token_urlsafe(32))
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            except FileExistsError:
+                pass  # another process made it first: use theirs
+            else:
+                with os.fdopen(fd, "w") as f:
+                    f.write(secrets.token_urlsafe(32))
         return path.read_text().strip()

@@ -391,11 +391,19 @@ def _invoke(args: list[str]) -> Any:
     return CliRunner().invoke(cli.main, args)
 
 
-def test_serve_without_no_auth_explains_why_it_stops() -> None:
-    result = _invoke(["serve"])
-    assert result.exit_code == 1
-    assert "API keys arrive with the tenant registry" in result.output
-    assert "--no-auth" in result.output
+def test_serve_with_keys_binds_any_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[Settings] = []
+
+    async def fake_serve_engine(config: EngineConfig, settings: Settings, **_: Any) -> None:
+        seen.append(settings)
+
+    monkeypatch.setattr(cli, "serve_engine", fake_serve_engine)
+    monkeypatch.setenv("LORAPLEX_ADMIN_KEY", "a-long-enough-admin-key-1234")
+    result = _invoke(["serve", "--host", "0.0.0.0"])
+    assert result.exit_code == 0, result.output
+    [settings] = seen
+    assert (settings.host, settings.no_auth) == ("0.0.0.0", False)
+    assert settings.admin_key == "a-long-enough-admin-key-1234"
 
 
 @pytest.mark.parametrize("host", ["0.0.0.0", "192.168.1.4", "example.com", "::"])
@@ -454,5 +462,18 @@ def test_serve_flags_build_the_engine_config(
 
 def test_settings_refuse_weak_admin_keys_in_production() -> None:
     with pytest.raises(ValueError, match="LORAPLEX_ADMIN_KEY must be set"):
-        Settings(environment="production", admin_key="changeme")
-    assert Settings(environment="production", admin_key="k" * 32).admin_key == "k" * 32
+        Settings(environment="production", admin_key="changeme", secret_key="s" * 32)
+    with pytest.raises(ValueError, match="LORAPLEX_SECRET_KEY must be set"):
+        Settings(environment="production", admin_key="k" * 32)
+    with pytest.raises(ValueError, match="LORAPLEX_SECRET_KEY must be set"):
+        Settings(environment="production", admin_key="k" * 32, secret_key="secret")
+    settings = Settings(environment="production", admin_key="k" * 32, secret_key="s" * 32)
+    assert (settings.admin_key, settings.resolved_secret_key()) == ("k" * 32, "s" * 32)
+
+
+def test_development_secret_is_generated_once(tmp_path: Path) -> None:
+    settings = Settings(data_dir=tmp_path)
+    secret = settings.resolved_secret_key()
+    assert len(secret) >= 32
+    assert Settings(data_dir=tmp_path).resolved_secret_key() == secret
+    assert (tmp_path / "secret_key").stat().st_mode & 0o777 == 0o600

@@ -646,6 +646,42 @@ def test_real_http_stream_disconnect_aborts(live_server: tuple[str, FakeEngine])
     assert engine.aborted == [engine.submitted[0].request_id]
 
 
+def test_a_hundred_streams_cut_at_once_are_all_aborted() -> None:
+    """Under load the engine hands over an output at the moment the disconnect cancels
+    the response: no cancellation may be lost, or that request runs to its end."""
+    engine = FakeEngine(max_model_len=4096, token_delay_s=0.01)
+    app, _ = make_app(engine)
+    num_streams = 100
+
+    async def cut_one(host: str, port: int, i: int) -> None:
+        reader, writer = await asyncio.open_connection(host, port)
+        body = json.dumps({"model": "fake-model", "max_tokens": 300, "stream": True,
+                           "messages": [{"role": "user", "content": f"x{i}"}]}).encode()
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+                     % len(body) + body)
+        num_chunks = 0
+        while num_chunks < 4:
+            line = await reader.readline()
+            assert line, "the server closed the stream"
+            num_chunks += line.startswith(b"data: {")
+        writer.close()
+        await writer.wait_closed()
+
+    with serve_in_thread(app) as base:
+        host, port = base.removeprefix("http://").split(":")
+
+        async def cut_all() -> None:
+            await asyncio.gather(*(cut_one(host, int(port), i) for i in range(num_streams)))
+
+        asyncio.run(cut_all())
+        deadline = time.monotonic() + 2  # 300 tokens would take 3 s
+        while len(engine.aborted) < num_streams:
+            assert time.monotonic() < deadline, (len(engine.aborted), len(engine.finished))
+            time.sleep(0.05)
+    assert not engine.finished
+
+
 # ----------------------------------------------------- SIGTERM: drain, then stop
 
 _SERVE_FAKE = """

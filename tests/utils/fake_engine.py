@@ -10,9 +10,14 @@ string and anything after it never reach the client), or with "abort" after abor
 from __future__ import annotations
 
 import asyncio
+import atexit
+import functools
 import json
+import shutil
+import tempfile
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -20,7 +25,7 @@ from fastapi import FastAPI
 
 from app.core.config import Settings
 from app.main import create_app
-from engine.client import AdapterInfo, EngineStats
+from engine.client import AdapterInfo, AdapterPlacement, EngineStats
 from engine.request import RequestOutput, SamplingParams, TokenLogprob
 
 
@@ -58,6 +63,7 @@ class FakeEngine:
         first_token_delay_s: float = 0.0,
         num_cached_tokens: int = 0,
         fail_with: Exception | None = None,
+        max_adapter_bytes: int = 64 * 1024 * 1024,
     ) -> None:
         self._model_id = model_id
         self._max_model_len = max_model_len
@@ -66,6 +72,7 @@ class FakeEngine:
         self.first_token_delay_s = first_token_delay_s
         self.num_cached_tokens = num_cached_tokens
         self.fail_with = fail_with
+        self._max_adapter_bytes = max_adapter_bytes
         self.ready = True
         self.num_waiting = 0
         self.kv_usage = 0.0
@@ -139,6 +146,12 @@ class FakeEngine:
 
     async def remove_adapter(self, name: str) -> bool:
         return self.adapters.pop(name, None) is not None
+
+    def adapter_residency(self) -> list[AdapterPlacement]:
+        return []
+
+    def max_adapter_bytes(self) -> int:
+        return self._max_adapter_bytes
 
     async def shutdown(self) -> None:
         self.shut_down = True
@@ -252,13 +265,41 @@ def _held_back(text: str, stops: list[str]) -> int:
 
 
 def make_app(engine: FakeEngine | None = None, **settings: Any) -> tuple[FastAPI, FakeEngine]:
-    """The real app around a FakeEngine; `settings` override Settings fields."""
+    """The real app around a FakeEngine; `settings` override Settings fields. Without a
+    `data_dir`, apps share one temporary data directory (and SQLite database) per process,
+    so that the migrations run once."""
     engine = engine if engine is not None else FakeEngine()
+    settings.setdefault("data_dir", shared_data_dir())
     return create_app(engine, Settings(no_auth=True, **settings)), engine
 
 
+@functools.cache
+def shared_data_dir() -> Path:
+    path = Path(tempfile.mkdtemp(prefix="loraplex-test-"))
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
+
+
+class _LifespanClient(httpx.AsyncClient):
+    """An in-process client that also runs the app's lifespan (startup and shutdown), as
+    a server would: ASGITransport alone does not."""
+
+    def __init__(self, app: FastAPI) -> None:
+        super().__init__(transport=httpx.ASGITransport(app=app), base_url="http://testserver")
+        self._lifespan = app.router.lifespan_context(app)
+
+    async def __aenter__(self) -> _LifespanClient:
+        await self._lifespan.__aenter__()
+        await super().__aenter__()
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        await super().__aexit__(*exc_info)
+        await self._lifespan.__aexit__(*exc_info)
+
+
 def asgi_client(app: FastAPI) -> httpx.AsyncClient:
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://testserver")
+    return _LifespanClient(app)
 
 
 def parse_sse(body: str) -> list[Any]:

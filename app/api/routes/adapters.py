@@ -1,0 +1,201 @@
+"""Adapter uploads, listing and deletion: the admin routes (any owner) and the tenant
+routes (`adapters:write` keys, the caller's own tenant only).
+
+Uploads are multipart forms (`file`: a .zip or .tar.gz of a PEFT directory, `name`,
+and on the admin route `tenant_id`, omitted for a shared adapter). Their bodies skip the
+general body limit (see UPLOAD_PATHS) and are streamed to disk under their own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Annotated
+
+from fastapi import APIRouter, Request
+from starlette.requests import ClientDisconnect
+
+from app.api.deps import AdminPrincipal, require_scope
+from app.api.errors import APIError
+from app.api.schemas.adapters import AdapterList, AdapterOut, AdapterVersionOut
+from app.api.state import AppState, AppStateDep
+from app.audit import AuditContext
+from app.core.principal import Principal
+from app.models import Scope
+from app.registry.service import AdapterRegistry
+from app.registry.upload_form import (
+    FORM_OVERHEAD_BYTES,
+    FormError,
+    UploadForm,
+    file_too_large,
+    read_upload_form,
+)
+from app.registry.views import SHARED_OWNER
+
+ADMIN_ADAPTERS = "/admin/adapters"
+TENANT_ADAPTERS = "/v1/adapters"
+# For RequestContextMiddleware(unlimited_paths=...): these enforce their own limit.
+UPLOAD_PATHS = frozenset({ADMIN_ADAPTERS, TENANT_ADAPTERS})
+
+logger = logging.getLogger(__name__)
+
+router = APIRouter()
+
+AdapterWriter = Annotated[Principal, require_scope(Scope.ADAPTERS_WRITE)]
+
+_NO_TENANT_FIELD = (
+    "tenant_id cannot be set here: uploads to /v1/adapters always go to the caller's own "
+    "tenant."
+)
+
+
+def _audit_context(request: Request, principal: Principal) -> AuditContext:
+    request_id = getattr(request.state, "request_id", None)
+    return AuditContext(actor=principal.actor, request_id=request_id)
+
+
+async def _refresh(state: AppState) -> None:
+    """After a change: this replica's directory sees it now, not at the next poll."""
+    try:
+        await asyncio.to_thread(state.directory.refresh)
+    except Exception:
+        # The change is committed; the background refresh will pick it up.
+        logger.warning("directory refresh after an adapter change failed", exc_info=True)
+
+
+def _own(principal: Principal) -> str:
+    """The owner a tenant route acts for: the key's tenant (shared for admin keys)."""
+    return principal.tenant_id or SHARED_OWNER
+
+
+@asynccontextmanager
+async def _received(
+    request: Request,
+    registry: AdapterRegistry,
+    *,
+    text_fields: frozenset[str],
+    unknown_field_messages: dict[str, str] | None = None,
+) -> AsyncIterator[UploadForm]:
+    """The upload's form, its file streamed into <data_dir>/tmp/ (removed afterwards)."""
+    limit = registry.upload_limit()
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit + FORM_OVERHEAD_BYTES:
+        error = file_too_large(limit)
+        raise APIError(error.status_code, error.message, code=error.code)
+    dest = await asyncio.to_thread(registry.store.new_temp_file, "upload-")
+    try:
+        try:
+            form = await read_upload_form(
+                request.stream(),
+                request.headers.get("content-type"),
+                dest,
+                max_file_bytes=limit,
+                text_fields=text_fields,
+                unknown_field_messages=unknown_field_messages,
+            )
+        except FormError as e:
+            raise APIError(e.status_code, e.message, code=e.code, param=e.param) from None
+        except ClientDisconnect:
+            raise APIError(400, "The client went away during the upload.") from None
+        if not form.fields.get("name"):
+            raise APIError(400, "Missing required form field 'name'.", param="name")
+        yield form
+    finally:
+        await asyncio.to_thread(dest.unlink, True)
+
+
+# ------------------------------------------------------------------------------ admin
+
+
+@router.post(ADMIN_ADAPTERS, status_code=201, response_model=AdapterVersionOut)
+async def admin_upload(
+    request: Request, principal: AdminPrincipal, state: AppStateDep
+) -> AdapterVersionOut:
+    registry = state.registry
+    async with _received(request, registry, text_fields=frozenset({"name", "tenant_id"})) as form:
+        version = await registry.upload(
+            form.file,
+            name=form.fields["name"],
+            tenant_id=form.fields.get("tenant_id") or None,
+            by=_audit_context(request, principal),
+        )
+    await _refresh(state)
+    return AdapterVersionOut.of(version)
+
+
+@router.get(ADMIN_ADAPTERS, response_model=AdapterList)
+def admin_list(
+    principal: AdminPrincipal,
+    state: AppStateDep,
+    tenant_id: str | None = None,
+    include_deleted: bool = False,
+) -> AdapterList:
+    """tenant_id: one tenant's adapters ("shared": the shared ones); omitted: all."""
+    views = state.registry.list_adapters(owner=tenant_id, include_deleted=include_deleted)
+    return AdapterList(data=[AdapterOut.of(v) for v in views])
+
+
+@router.get(ADMIN_ADAPTERS + "/{adapter_id}", response_model=AdapterOut)
+def admin_get(adapter_id: str, principal: AdminPrincipal, state: AppStateDep) -> AdapterOut:
+    return AdapterOut.of(state.registry.get_adapter(adapter_id))
+
+
+@router.delete(ADMIN_ADAPTERS + "/{adapter_id}", response_model=AdapterOut)
+async def admin_delete(
+    adapter_id: str, request: Request, principal: AdminPrincipal, state: AppStateDep
+) -> AdapterOut:
+    view = await state.registry.delete(
+        adapter_id, owner=None, by=_audit_context(request, principal)
+    )
+    await _refresh(state)
+    return AdapterOut.of(view)
+
+
+# ----------------------------------------------------------------------------- tenant
+
+
+@router.post(TENANT_ADAPTERS, status_code=201, response_model=AdapterVersionOut)
+async def tenant_upload(
+    request: Request, principal: AdapterWriter, state: AppStateDep
+) -> AdapterVersionOut:
+    registry = state.registry
+    async with _received(
+        request,
+        registry,
+        text_fields=frozenset({"name"}),
+        unknown_field_messages={"tenant_id": _NO_TENANT_FIELD},
+    ) as form:
+        version = await registry.upload(
+            form.file,
+            name=form.fields["name"],
+            tenant_id=principal.tenant_id,
+            by=_audit_context(request, principal),
+            enforce_quota=principal.tenant is not None,
+        )
+    await _refresh(state)
+    return AdapterVersionOut.of(version)
+
+
+@router.get(TENANT_ADAPTERS, response_model=AdapterList)
+def tenant_list(principal: AdapterWriter, state: AppStateDep) -> AdapterList:
+    """The caller's own adapters (shared ones are listed by /v1/models)."""
+    views = state.registry.list_adapters(owner=_own(principal))
+    return AdapterList(data=[AdapterOut.of(v) for v in views])
+
+
+@router.get(TENANT_ADAPTERS + "/{adapter_id}", response_model=AdapterOut)
+def tenant_get(adapter_id: str, principal: AdapterWriter, state: AppStateDep) -> AdapterOut:
+    return AdapterOut.of(state.registry.get_adapter(adapter_id, owner=_own(principal)))
+
+
+@router.delete(TENANT_ADAPTERS + "/{adapter_id}", response_model=AdapterOut)
+async def tenant_delete(
+    adapter_id: str, request: Request, principal: AdapterWriter, state: AppStateDep
+) -> AdapterOut:
+    view = await state.registry.delete(
+        adapter_id, owner=_own(principal), by=_audit_context(request, principal)
+    )
+    await _refresh(state)
+    return AdapterOut.of(view)

@@ -1,0 +1,80 @@
+"""GET /admin/engine: workers, adapter residency, KV usage, queues."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+
+from app.api.deps import AdminPrincipal
+from app.api.schemas.engine import AdapterCacheView, EngineAdapterView, EngineView, WorkerView
+from app.api.state import AppState, AppStateDep
+
+router = APIRouter(tags=["admin"])
+
+# The in-process engine; scale-out adds one entry per remote worker.
+LOCAL_WORKER_ID = "local"
+
+
+def _adapters(state: AppState) -> list[EngineAdapterView]:
+    engine = state.engine
+    refs = {ref.engine_name: ref for ref in state.directory.ready_versions()}
+    residency = {r.name: r for r in engine.adapter_residency()}
+    views = []
+    for info in engine.list_adapters():
+        ref = refs.get(info.name)
+        where = residency.get(info.name)
+        views.append(
+            EngineAdapterView(
+                engine_name=info.name,
+                name=info.name if ref is None else ref.name,
+                tenant_id=None if ref is None else ref.tenant_id,
+                adapter_id=None if ref is None else ref.adapter_id,
+                version=None if ref is None else ref.version,
+                rank=info.rank,
+                size_bytes=info.size_bytes,
+                slot=None if where is None else where.slot,
+                on_host=False if where is None else where.on_host,
+                loading=False if where is None else where.loading,
+                running=0 if where is None else where.pins,
+                waiting=0 if where is None else where.reservations,
+            )
+        )
+    return sorted(views, key=lambda v: (v.slot is None, v.tenant_id or "", v.name))
+
+
+@router.get("/admin/engine", response_model=EngineView)
+def engine_view(state: AppStateDep, admin: AdminPrincipal) -> EngineView:
+    engine = state.engine
+    stats = engine.stats()
+    cache = stats.adapter_cache
+    cache_view = None
+    if cache is not None:
+        cache_view = AdapterCacheView(
+            device_slots=cache.device_slots,
+            device_used=cache.num_device,
+            host_capacity=cache.host_capacity,
+            host_used=cache.num_host,
+            loading=cache.num_loading,
+            queued=cache.num_queued,
+            device_hits=cache.device_hits,
+            device_misses=cache.device_misses,
+            loads=cache.loads,
+            load_failures=cache.load_failures,
+            device_evictions=cache.device_evictions,
+            host_evictions=cache.host_evictions,
+        )
+    queries = stats.prefix_cache_queries
+    worker = WorkerView(
+        id=LOCAL_WORKER_ID,
+        model=engine.model_id,
+        ready=engine.is_ready(),
+        num_running=stats.num_running,
+        num_waiting=stats.num_waiting,
+        kv_usage=stats.kv_usage,
+        num_free_blocks=stats.num_free_blocks,
+        num_total_blocks=stats.num_total_blocks,
+        num_preemptions=stats.num_preemptions,
+        prefix_cache_hit_rate=stats.prefix_cache_hits / queries if queries else None,
+        adapter_cache=cache_view,
+        adapters=_adapters(state),
+    )
+    return EngineView(workers=[worker])

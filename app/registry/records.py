@@ -1,0 +1,188 @@
+"""The registry's rows: adapters (a name per owner) and their numbered versions.
+
+Functions take the caller's session; changes are audited in the same transaction.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from sqlalchemy import ColumnElement, func, or_, select
+from sqlalchemy.orm import Session, selectinload
+
+from app.api.errors import APIError
+from app.audit import AuditContext, audit
+from app.models import Adapter, AdapterStatus, AdapterVersion, Tenant, new_id, utcnow
+from app.registry.archive import UnpackedAdapter
+from app.registry.views import (
+    SHARED_OWNER,
+    AdapterView,
+    VersionView,
+    adapter_not_found,
+    adapter_view,
+    tenant_not_found,
+    version_view,
+)
+
+# Versions whose files must stay on disk.
+LIVE_STATUSES = (AdapterStatus.VALIDATING.value, AdapterStatus.READY.value)
+
+
+def live_tenant(s: Session, tenant_id: str, *, lock: bool = False) -> Tenant:
+    tenant = s.get(Tenant, tenant_id, with_for_update=lock)
+    if tenant is None or tenant.deleted_at is not None:
+        raise tenant_not_found(tenant_id)
+    return tenant
+
+
+def check_quota(s: Session, tenant: Tenant, name: str) -> None:
+    """max_adapters counts the tenant's names with a validating or ready version: a new
+    version of one of them is free, a name whose uploads all failed does not count.
+    Over the limit: 403 `max_adapters_exceeded`."""
+    limit = tenant.max_adapters
+    if limit is None:
+        return
+    live = select(AdapterVersion.adapter_id).where(AdapterVersion.status.in_(LIVE_STATUSES))
+    names = set(s.scalars(
+        select(Adapter.name).where(
+            Adapter.owner == tenant.id, Adapter.deleted_at.is_(None), Adapter.id.in_(live)
+        )
+    ))
+    if name in names or len(names) < limit:
+        return
+    raise APIError(
+        403,
+        f"This tenant has {len(names)} adapters and its limit (max_adapters) is {limit}: "
+        "delete one, or upload a new version of an existing name.",
+        code="max_adapters_exceeded",
+    )
+
+
+def insert_version(
+    s: Session,
+    unpacked: UnpackedAdapter,
+    *,
+    name: str,
+    tenant_id: str | None,
+    by: AuditContext,
+    enforce_quota: bool,
+) -> VersionView:
+    """The next version of (owner, name), `validating`; creates (or revives) the adapter."""
+    owner = SHARED_OWNER if tenant_id is None else tenant_id
+    if tenant_id is not None:
+        # The tenant row's lock serializes its uploads (PostgreSQL), so that two new
+        # names cannot both pass the quota.
+        tenant = live_tenant(s, tenant_id, lock=True)
+        if enforce_quota:
+            check_quota(s, tenant, name)
+    adapter = s.scalar(
+        select(Adapter).where(Adapter.owner == owner, Adapter.name == name).with_for_update()
+    )
+    if adapter is None:
+        adapter = Adapter(id=new_id("ad"), tenant_id=tenant_id, owner=owner, name=name)
+        s.add(adapter)
+        s.flush()
+    elif adapter.deleted_at is not None:
+        # NOTE: a deleted name comes back with the next number, so that `name@1` of the
+        # deleted adapter never names different content.
+        adapter.deleted_at = None
+    last = s.scalar(
+        select(func.max(AdapterVersion.version)).where(AdapterVersion.adapter_id == adapter.id)
+    )
+    row = AdapterVersion(
+        id=new_id("adv"),
+        adapter_id=adapter.id,
+        version=(last or 0) + 1,
+        status=AdapterStatus.VALIDATING.value,
+        report={},
+        sha256=unpacked.sha256,
+        size_bytes=unpacked.size_bytes,
+        created_by=by.actor,
+    )
+    s.add(row)
+    s.flush()
+    audit(s, by, "adapter.upload", target_type="adapter", target_id=adapter.id, details={
+        "name": name,
+        "tenant_id": tenant_id,
+        "version": row.version,
+        "version_id": row.id,
+        "sha256": unpacked.sha256,
+        "size_bytes": unpacked.size_bytes,
+    })
+    return version_view(row, adapter)
+
+
+def finish_version(
+    s: Session, version_id: str, status: AdapterStatus, report: dict[str, object]
+) -> VersionView | None:
+    """validating -> status; None if the version left `validating` meanwhile (deleted)."""
+    row = s.get(AdapterVersion, version_id, with_for_update=True)
+    if row is None or row.status != AdapterStatus.VALIDATING:
+        return None
+    row.status = status.value
+    row.report = report
+    rank = report.get("rank")
+    if isinstance(rank, int):
+        row.rank = rank
+    s.flush()
+    return version_view(row, row.adapter)
+
+
+def mark_deleted(
+    s: Session, adapter_id: str, *, owner: str | None, by: AuditContext
+) -> tuple[AdapterView, list[str]]:
+    """Delete an adapter and its versions; returns it and the engine names of the
+    versions that were ready. owner None: any owner (admin)."""
+    adapter = s.get(Adapter, adapter_id, with_for_update=True)
+    if adapter is None or adapter.deleted_at is not None:
+        raise adapter_not_found(adapter_id)
+    if owner is not None and adapter.owner != owner:
+        raise adapter_not_found(adapter_id)
+    ready = [
+        version_view(v, adapter).engine_name
+        for v in adapter.versions
+        if v.status == AdapterStatus.READY
+    ]
+    for v in adapter.versions:
+        v.status = AdapterStatus.DELETED.value
+    adapter.deleted_at = utcnow()
+    audit(s, by, "adapter.delete", target_type="adapter", target_id=adapter.id, details={
+        "name": adapter.name,
+        "tenant_id": adapter.tenant_id,
+        "versions": [v.version for v in adapter.versions],
+    })
+    s.flush()
+    return adapter_view(adapter), ready
+
+
+def digests_in_use(
+    s: Session, digests: set[str], *, changed_after: datetime | None = None
+) -> set[str]:
+    """Those of `digests` a validating or ready version uses (or, with changed_after,
+    any version changed since then)."""
+    used: ColumnElement[bool] = AdapterVersion.status.in_(LIVE_STATUSES)
+    if changed_after is not None:
+        used = or_(used, AdapterVersion.updated_at >= changed_after)
+    query = select(AdapterVersion.sha256).where(AdapterVersion.sha256.in_(digests), used)
+    return {d for d in s.scalars(query) if d is not None}
+
+
+def list_adapters(
+    s: Session, *, owner: str | None = None, include_deleted: bool = False
+) -> list[AdapterView]:
+    query = select(Adapter).options(selectinload(Adapter.versions))
+    if owner is not None:
+        query = query.where(Adapter.owner == owner)
+    if not include_deleted:
+        query = query.where(Adapter.deleted_at.is_(None))
+    return [adapter_view(a) for a in s.scalars(query.order_by(Adapter.created_at, Adapter.id))]
+
+
+def get_adapter(s: Session, adapter_id: str, *, owner: str | None = None) -> AdapterView:
+    """404 for an unknown id and, with owner, for anyone else's or a deleted one."""
+    adapter = s.get(Adapter, adapter_id)
+    if adapter is None:
+        raise adapter_not_found(adapter_id)
+    if owner is not None and (adapter.owner != owner or adapter.deleted_at is not None):
+        raise adapter_not_found(adapter_id)
+    return adapter_view(adapter)

@@ -1,0 +1,117 @@
+"""Keeping one replica's engine in step with the ready adapter versions of the database.
+
+The directory's refresh (a worker thread) reports the ready versions that appeared and
+disappeared, and at start all of them; the engine calls run on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from app.core.principal import AdapterRef
+from app.registry.views import SyncResult
+from engine.client import EngineClient
+
+log = logging.getLogger("loraplex.registry")
+
+_Future = concurrent.futures.Future
+
+
+class EngineSync:
+    def __init__(self, engine: EngineClient, files: Callable[[str], Path]) -> None:
+        """files: sha256 -> the stored adapter directory."""
+        self.engine = engine
+        self._files = files
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._lock = threading.Lock()
+        # (added, removed, future) asked for before start()
+        self._pending: list[tuple[list[AdapterRef], list[AdapterRef], _Future[SyncResult]]] = []
+        self._inflight: set[_Future[SyncResult]] = set()
+        self._sync_lock = asyncio.Lock()
+        self._failed: dict[str, AdapterRef] = {}  # engine name -> version to retry
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        """From now on syncs run on `loop`; those asked for before run now."""
+        with self._lock:
+            self._loop = loop
+            pending, self._pending = self._pending, []
+        for added, removed, future in pending:
+            inner = self._schedule(loop, added, removed)
+            inner.add_done_callback(functools.partial(_copy_outcome, future))
+
+    def stop(self) -> None:
+        """Later calls queue again (until the next start)."""
+        with self._lock:
+            self._loop = None
+
+    @property
+    def failed(self) -> dict[str, AdapterRef]:
+        """Versions that could not be loaded here (tried again on every call)."""
+        return dict(self._failed)
+
+    def on_versions_changed(
+        self, added: Sequence[AdapterRef], removed: Sequence[AdapterRef]
+    ) -> _Future[SyncResult]:
+        """Thread-safe and non-blocking; the future says what was done. Do not wait on it
+        from the event loop's own thread."""
+        with self._lock:
+            loop = self._loop
+            if loop is None:
+                future: _Future[SyncResult] = _Future()
+                self._pending.append((list(added), list(removed), future))
+                return future
+        return self._schedule(loop, list(added), list(removed))
+
+    def _schedule(
+        self, loop: asyncio.AbstractEventLoop, added: list[AdapterRef], removed: list[AdapterRef]
+    ) -> _Future[SyncResult]:
+        future = asyncio.run_coroutine_threadsafe(self.sync(added, removed), loop)
+        self._inflight.add(future)  # a strong reference until done
+        future.add_done_callback(self._inflight.discard)
+        return future
+
+    async def sync(self, added: Sequence[AdapterRef], removed: Sequence[AdapterRef]) -> SyncResult:
+        """Idempotent: names the engine already serves (or no longer serves) are skipped;
+        versions that failed to load here are tried again on the next call."""
+        done_added: list[str] = []
+        done_removed: list[str] = []
+        failed: dict[str, str] = {}
+        async with self._sync_lock:
+            gone = {ref.engine_name for ref in removed}
+            for ref in removed:
+                self._failed.pop(ref.engine_name, None)
+                if self.engine.get_adapter(ref.engine_name) is not None:
+                    await self.engine.remove_adapter(ref.engine_name)
+                    done_removed.append(ref.engine_name)
+            todo = {ref.engine_name: ref for ref in [*self._failed.values(), *added]}
+            for name, ref in todo.items():
+                if name in gone or self.engine.get_adapter(name) is not None:
+                    self._failed.pop(name, None)
+                    continue
+                try:
+                    await self.engine.add_adapter(name, str(self._files(ref.sha256)))
+                except Exception as e:
+                    # NOTE: one version this replica cannot load must not stop the others.
+                    log.warning("adapter %s@%d (%s) not loaded on this replica: %s",
+                                ref.name, ref.version, name, e)
+                    self._failed[name] = ref
+                    failed[name] = str(e)
+                    continue
+                self._failed.pop(name, None)
+                done_added.append(name)
+        return SyncResult(added=tuple(done_added), removed=tuple(done_removed), failed=failed)
+
+
+def _copy_outcome(future: _Future[SyncResult], done: _Future[SyncResult]) -> None:
+    if done.cancelled():
+        future.cancel()
+    elif (exc := done.exception()) is not None:
+        future.set_exception(exc)
+    else:
+        future.set_result(done.result())
