@@ -7,6 +7,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from datetime import UTC, datetime
 from importlib.metadata import PackageNotFoundError, version
 
 from fastapi import FastAPI
@@ -29,15 +30,13 @@ from app.core.config import Settings
 from app.db import make_engine, prepare_database, session_factory
 from app.directory import Directory
 from app.metering.recorder import UsageRecorder
+from app.metering.reports import tokens_since
 from app.metrics import Metrics
-from app.quotas import make_limiter
+from app.quotas import InMemoryLimiter, make_limiter
 from app.registry.service import AdapterRegistry
 from engine.client import EngineClient
 
 logger = logging.getLogger(__name__)
-
-# Routes whose bodies are adapter archives: they enforce their own, larger, streamed limit.
-UPLOAD_PATHS = frozenset({"/admin/adapters", "/v1/adapters"})
 
 
 def _version() -> str:
@@ -108,7 +107,7 @@ def create_app(engine: EngineClient, settings: Settings) -> FastAPI:
         RequestContextMiddleware,
         max_body_bytes=settings.max_body_bytes,
         metrics=state.metrics,
-        unlimited_paths=UPLOAD_PATHS,
+        unlimited_paths=adapters.UPLOAD_PATHS,
     )
     for module in (
         completions, chat, models, health, adapters, admin_tenants, usage, admin_engine
@@ -118,10 +117,27 @@ def create_app(engine: EngineClient, settings: Settings) -> FastAPI:
 
 
 async def _start_services(state: AppState) -> None:
+    if isinstance(state.limiter, InMemoryLimiter):
+        await asyncio.to_thread(_seed_monthly_counters, state)
     state.usage.start()
     await state.registry.start()
     state.directory.add_listener(state.registry.on_versions_changed)
     await state.directory.start()
+
+
+def _seed_monthly_counters(state: AppState) -> None:
+    """Without Redis, the month's counters live in this process: start them from the
+    usage rows, so that a restart does not hand every tenant a fresh monthly quota."""
+    month_start = datetime.now(UTC).replace(day=1, hour=0, minute=0, second=0, microsecond=0)
+    assert isinstance(state.limiter, InMemoryLimiter)
+    try:
+        with state.db() as session:
+            used = tokens_since(session, month_start)
+    except Exception:
+        logger.exception("could not read this month's usage; monthly quotas start from zero")
+        return
+    for tenant_id, tokens in used.items():
+        state.limiter.seed_monthly(tenant_id, tokens)
 
 
 async def _stop_services(state: AppState, db_engine: Engine) -> None:

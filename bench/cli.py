@@ -127,6 +127,36 @@ def kernels(
     )
 
 
+@bench.command("gateway")
+@click.option("--rate", default=200.0, show_default=True, help="open-loop requests/s")
+@click.option("--duration", "duration_s", default=10.0, show_default=True,
+              help="seconds per measured run")
+@click.option("--warmup", "warmup_s", default=1.0, show_default=True,
+              help="seconds of the same load before each run")
+@click.option("--concurrency", default=32, show_default=True, help="closed-loop workers")
+@click.option("--repeats", default=3, show_default=True, help="alternating rounds")
+@click.option("--max-tokens", default=16, show_default=True)
+@click.option("--client", type=click.Choice(["raw", "httpx"]), default="raw", show_default=True,
+              help="the load generator's HTTP client (raw: minimal keep-alive HTTP/1.1)")
+@click.option("--database-url", default=None,
+              help="a fresh database both servers share (migrated first) [default: SQLite "
+                   "files in a temporary directory]")
+@click.option("--redis-url", default="redis://127.0.0.1:6379/13", show_default=True,
+              help="the quota store; this Redis database is FLUSHED before the run")
+@click.option(
+    "--output",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="JSON report [default: bench/results/gateway-<timestamp>.json]",
+)
+def gateway(**kwargs: Any) -> None:
+    """Gateway overhead: chat requests (keys, Redis quotas, metering) against an engine
+    that answers instantly, vs GET /health, open loop at --rate; then a closed loop."""
+    from bench.gateway import GatewayOptions, run_gateway
+
+    run_gateway(GatewayOptions(**kwargs))
+
+
 def _lora_options(func: Callable[..., None]) -> Callable[..., None]:
     """The options every LoRA benchmark shares."""
     options = [

@@ -14,7 +14,7 @@ from typing import Any
 from engine.client import AdapterInfo, AdapterPlacement, EngineStats
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore
-from engine.lora.peft import _module_shape as module_shape
+from engine.lora.peft import module_shape
 from engine.lora.weights import TARGET_MODULES
 from engine.model_loader import ModelConfig
 from engine.request import Request, RequestOutput, SamplingParams

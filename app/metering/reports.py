@@ -151,3 +151,14 @@ def usage_totals(rows: list[UsageRow]) -> UsageCounts:
     for row in rows:
         totals.add(row)
     return totals
+
+
+def tokens_since(session: Session, start: datetime) -> dict[str, int]:
+    """Tokens (prompt + completion) each tenant used since `start`, from the usage rows."""
+    total = func.sum(UsageRecord.prompt_tokens + UsageRecord.completion_tokens)
+    rows = session.execute(
+        select(UsageRecord.tenant_id, total)
+        .where(UsageRecord.created_at >= start, UsageRecord.tenant_id.is_not(None))
+        .group_by(UsageRecord.tenant_id)
+    )
+    return {tenant_id: int(tokens or 0) for tenant_id, tokens in rows if tenant_id}

@@ -20,7 +20,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from app.api.errors import APIError
@@ -43,7 +43,9 @@ log = logging.getLogger("loraplex.registry")
 _DOCS_ALLOWANCE = 1024 * 1024
 # Uploads a crash left in <data_dir>/tmp/ are removed after this long untouched.
 _STALE_TEMP_S = 3600.0
-_INSERT_ATTEMPTS = 3  # concurrent uploads of one name race for the next version number
+# Concurrent uploads of one name race for the next version number; on SQLite a
+# transaction that read before another committed cannot write ("database is locked").
+_INSERT_ATTEMPTS = 8
 
 
 class AdapterRegistry:
@@ -210,9 +212,10 @@ class AdapterRegistry:
                         s, unpacked, name=name, tenant_id=tenant_id, by=by,
                         enforce_quota=enforce_quota,
                     )
-            except IntegrityError:
-                if attempt == _INSERT_ATTEMPTS - 1:
+            except (IntegrityError, OperationalError) as exc:
+                if attempt == _INSERT_ATTEMPTS - 1 or not _is_race(exc):
                     raise
+                time.sleep(0.01 * (attempt + 1))
         raise AssertionError("unreachable")
 
     async def _finish(
@@ -309,3 +312,7 @@ class AdapterRegistry:
 def _public_reason(message: str, path: Path) -> str:
     """The engine's reason without the server's directories in it."""
     return message.replace(f"{path}/", "").replace(str(path), "the adapter")
+
+
+def _is_race(exc: IntegrityError | OperationalError) -> bool:
+    return isinstance(exc, IntegrityError) or "database is locked" in str(exc)

@@ -432,7 +432,7 @@ def _build_module(
             f"{weights_path}: layer {layer} {module} has rank {rank}, but {CONFIG_FILE} "
             f"says {expected_rank} (r / rank_pattern)"
         )
-    in_features, out_features = _module_shape(module, model_config)
+    in_features, out_features = module_shape(module, model_config)
     if a.shape[1] != in_features or b.shape[0] != out_features:
         raise AdapterError(
             f"{weights_path}: layer {layer} {module} has lora_A {list(a.shape)} and lora_B "
@@ -456,7 +456,7 @@ def _build_module(
     return LoRAModule(a=a_out.contiguous(), b=b_out.contiguous(), scaling=float(scaling))
 
 
-def _module_shape(module: str, cfg: ModelConfig) -> tuple[int, int]:
+def module_shape(module: str, cfg: ModelConfig) -> tuple[int, int]:
     """(in_features, out_features) of a base linear."""
     return {
         "q_proj": (cfg.hidden_size, cfg.q_size),

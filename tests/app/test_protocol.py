@@ -504,7 +504,9 @@ async def test_health_and_ready() -> None:
     async with asgi_client(app) as client:
         assert (await client.get("/health")).json() == {"status": "ok"}
         ready = await client.get("/ready")
-        assert (ready.status_code, ready.json()) == (200, {"status": "ready"})
+        assert (ready.status_code, ready.json()) == (
+            200, {"status": "ready", "checks": {"database": "ok", "quotas": "ok"}}
+        )
         engine.ready = False
         starting = await client.get("/ready")
         assert (starting.status_code, starting.json()) == (503, {"status": "starting"})

@@ -68,7 +68,7 @@ def _wait_ready(base: str, proc: subprocess.Popen[str]) -> None:
 def test_lease_of_a_killed_replica_expires(
     sqlite_url: str, redis_url: str, tmp_path: Path
 ) -> None:
-    ttl = 1.5
+    ttl = 4.0
     common: dict[str, Any] = {
         "database_url": sqlite_url, "redis_url": redis_url, "admin_key": ADMIN_KEY,
         "secret_key": SECRET_KEY, "lease_ttl_s": ttl,
@@ -95,8 +95,8 @@ def test_lease_of_a_killed_replica_expires(
                 assert stream.status_code == 200
                 next(stream.iter_lines())  # running: it holds the tenant's only lease
                 os.kill(proc.pid, signal.SIGKILL)
+                killed_at = time.monotonic()
                 proc.wait(10)
-            killed_at = time.monotonic()
         finally:
             if proc.poll() is None:
                 proc.kill()
@@ -114,8 +114,8 @@ def test_lease_of_a_killed_replica_expires(
             assert response.status_code == 429
             assert time.monotonic() - killed_at < ttl + 2, "the lease never expired"
             time.sleep(0.1)
-        # Freed by expiry, not before.
-        assert time.monotonic() - killed_at >= ttl - 0.5
+        # Freed by expiry (at most a third of the ttl after the last renewal), not before.
+        assert time.monotonic() - killed_at >= ttl * 2 / 3 - 0.1
 
 
 # ------------------------------------------------------- usage through a DB outage

@@ -269,3 +269,48 @@ def test_metrics_per_tenant_and_model(one: Instance) -> None:
         in text
     assert f'loraplex_rejections_total{{reason="model_not_found",tenant="{tid}"}} 1.0' in text
     assert f'loraplex_gateway_overhead_seconds_count{{tenant="{tid}"}} 1.0' in text
+
+
+def test_monthly_quota_survives_a_restart_without_redis(sqlite_url: str, tmp_path: Path
+                                                        ) -> None:
+    with instances(tmp_path, sqlite_url, None) as (first,):
+        with first.admin() as admin:
+            tenant = create_tenant(admin, "acme", monthly_tokens=60)
+            key = create_key(admin, tenant["id"])["key"]
+        used = chat(first.openai(key), max_tokens=10).usage.total_tokens
+    # The first process is gone (its usage flushed on the way out); a new one counts the
+    # month from the usage rows.
+    with instances(tmp_path, sqlite_url, None) as (second,):
+        # Prompt + max_tokens = 50 fits a fresh month of 60, not one with `used` spent.
+        with pytest.raises(openai.RateLimitError) as caught:
+            chat(second.openai(key), max_tokens=60 - used)
+        assert caught.value.code == "insufficient_quota"
+
+
+def test_ready_reports_database_and_redis(tmp_path: Path, redis_url: str) -> None:
+    from app.db import upgrade
+    from tests.utils.databases import fresh_postgres_database
+    from tests.utils.tcp_proxy import TcpProxy
+
+    with fresh_postgres_database() as url, TcpProxy("127.0.0.1", 5432) as pg, \
+            TcpProxy("127.0.0.1", 6379) as redis_proxy:
+        upgrade(url)
+        proxied_db = url.replace("127.0.0.1:5432", f"127.0.0.1:{pg.port}")
+        proxied_redis = redis_url.replace("127.0.0.1:6379", f"127.0.0.1:{redis_proxy.port}")
+        with instances(tmp_path, proxied_db, proxied_redis) as (one,):
+            ready = httpx.get(f"{one.base_url}/ready")
+            assert ready.status_code == 200
+            assert ready.json()["checks"] == {"database": "ok", "quotas": "ok"}
+            redis_proxy.cut()
+            ready = httpx.get(f"{one.base_url}/ready")
+            assert ready.status_code == 503
+            assert ready.json()["checks"] == {"database": "ok", "quotas": "unavailable"}
+            pg.cut()
+            ready = httpx.get(f"{one.base_url}/ready")
+            assert ready.json()["checks"] == {"database": "unavailable", "quotas": "unavailable"}
+            pg.restore()
+            redis_proxy.restore()
+            deadline = time.monotonic() + 5
+            while httpx.get(f"{one.base_url}/ready").status_code != 200:
+                assert time.monotonic() < deadline, "never ready again"
+                time.sleep(0.1)

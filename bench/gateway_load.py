@@ -1,0 +1,198 @@
+"""Open- and closed-loop HTTP load for the gateway benchmark, with latency samples.
+
+Two interchangeable clients: `RawClient`, a minimal HTTP/1.1 keep-alive client on
+asyncio streams (the default), and `HttpxClient` (httpx.AsyncClient).
+
+NOTE: the load generator shares this machine's two cores with the server. httpx costs
+~2 ms of client CPU per request here, and its pool's cost grows with the requests
+queued in it, so under load it, not the server, sets the pace; the raw client costs
+a few hundred microseconds and leaves the cores to the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import httpx
+
+
+@dataclass(slots=True)
+class Probe:
+    """One kind of request, and where its 200 responses' ids go."""
+
+    method: str
+    path: str
+    body: dict[str, Any] | None
+    headers: dict[str, str]
+    ok_ids: set[str] | None = None  # generation requests: collect response ids
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    status: int
+    body: bytes
+
+
+class LoadClient(Protocol):
+    async def send(self, probe: Probe) -> Reply: ...
+
+    async def aclose(self) -> None: ...
+
+
+class RawClient:
+    """HTTP/1.1 with keep-alive: a connection per request in flight, reused afterwards.
+
+    Only what these servers answer: Content-Length bodies (no chunked responses)."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.host = host
+        self.port = port
+        self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+        self._encoded: dict[int, bytes] = {}  # id(probe) -> its request bytes
+
+    def _encode(self, probe: Probe) -> bytes:
+        data = self._encoded.get(id(probe))
+        if data is None:
+            body = b"" if probe.body is None else json.dumps(probe.body).encode()
+            lines = [f"{probe.method} {probe.path} HTTP/1.1", f"Host: {self.host}:{self.port}",
+                     f"Content-Length: {len(body)}"]
+            if probe.body is not None:
+                lines.append("Content-Type: application/json")
+            lines += [f"{k}: {v}" for k, v in probe.headers.items()]
+            data = ("\r\n".join(lines) + "\r\n\r\n").encode() + body
+            self._encoded[id(probe)] = data
+        return data
+
+    async def send(self, probe: Probe) -> Reply:
+        if self._idle:
+            reader, writer = self._idle.pop()
+        else:
+            reader, writer = await asyncio.open_connection(self.host, self.port)
+        try:
+            writer.write(self._encode(probe))
+            head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1")
+            status_line, *header_lines = head[:-4].split("\r\n")
+            headers = {}
+            for line in header_lines:
+                name, _, value = line.partition(":")
+                headers[name.strip().lower()] = value.strip()
+            if "content-length" not in headers:
+                raise ValueError(f"no Content-Length in the response: {status_line}")
+            body = await reader.readexactly(int(headers["content-length"]))
+        except BaseException:
+            writer.close()
+            raise
+        if headers.get("connection", "").lower() == "close":
+            writer.close()
+        else:
+            self._idle.append((reader, writer))
+        return Reply(int(status_line.split(" ", 2)[1]), body)
+
+    async def aclose(self) -> None:
+        for _, writer in self._idle:
+            writer.close()
+        self._idle.clear()
+
+
+class HttpxClient:
+    def __init__(self, base_url: str, max_connections: int) -> None:
+        limits = httpx.Limits(max_connections=max_connections,
+                              max_keepalive_connections=max_connections)
+        self._client = httpx.AsyncClient(base_url=base_url, limits=limits, timeout=30)
+
+    async def send(self, probe: Probe) -> Reply:
+        response = await self._client.request(probe.method, probe.path, json=probe.body,
+                                              headers=probe.headers)
+        return Reply(response.status_code, response.content)
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+
+def make_client(kind: str, base_url: str, *, max_connections: int) -> LoadClient:
+    if kind == "httpx":
+        return HttpxClient(base_url, max_connections)
+    assert kind == "raw", kind
+    host, _, port = base_url.removeprefix("http://").partition(":")
+    return RawClient(host, int(port))
+
+
+@dataclass(slots=True)
+class Samples:
+    latencies_s: list[float] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)  # the first few
+    num_errors: int = 0
+    wall_s: float = 0.0
+
+    def add(self, probe: Probe, latency_s: float, reply: Reply | str) -> None:
+        if isinstance(reply, str) or reply.status != 200:
+            self.num_errors += 1
+            if len(self.errors) < 5:
+                self.errors.append(reply if isinstance(reply, str) else
+                                   f"{reply.status}: {reply.body[:200]!r}")
+            return
+        self.latencies_s.append(latency_s)
+        if probe.ok_ids is not None:
+            probe.ok_ids.add(json.loads(reply.body)["id"])
+
+
+async def _send(client: LoadClient, probe: Probe, timeout_s: float) -> Reply | str:
+    try:
+        return await asyncio.wait_for(client.send(probe), timeout_s)
+    except (OSError, ValueError, TimeoutError, asyncio.IncompleteReadError,
+            httpx.HTTPError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
+async def open_loop(client: LoadClient, probe: Probe, rate: float, duration_s: float,
+                    *, timeout_s: float = 30.0) -> Samples:
+    """Requests sent on a fixed schedule, latency counted from the scheduled time.
+
+    NOTE: from the schedule, not from the actual send: when the server (or this client)
+    falls behind, the queueing shows up in the latency instead of silently lowering the
+    rate (coordinated omission).
+    """
+    loop = asyncio.get_running_loop()
+    samples = Samples()
+    start = loop.time() + 0.01
+    last_end = start
+
+    async def one(scheduled: float) -> None:
+        nonlocal last_end
+        reply = await _send(client, probe, timeout_s)
+        end = loop.time()
+        last_end = max(last_end, end)
+        samples.add(probe, end - scheduled, reply)
+
+    tasks = []
+    for i in range(max(1, round(rate * duration_s))):
+        scheduled = start + i / rate
+        delay = scheduled - loop.time()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(one(scheduled)))
+    await asyncio.gather(*tasks)
+    samples.wall_s = last_end - start
+    return samples
+
+
+async def closed_loop(client: LoadClient, probe: Probe, concurrency: int, duration_s: float,
+                      *, timeout_s: float = 30.0) -> Samples:
+    """`concurrency` workers, each sending its next request when the last one answered."""
+    loop = asyncio.get_running_loop()
+    samples = Samples()
+    start = loop.time()
+    stop_at = start + duration_s
+
+    async def worker() -> None:
+        while loop.time() < stop_at:
+            sent = loop.time()
+            reply = await _send(client, probe, timeout_s)
+            samples.add(probe, loop.time() - sent, reply)
+
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    samples.wall_s = loop.time() - start
+    return samples

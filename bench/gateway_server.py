@@ -1,0 +1,221 @@
+"""The gateway benchmark's servers: an InstantEngine behind the real app, in subprocesses.
+
+`python -m bench.gateway_server` is one such server, configured by the environment
+(LORAPLEX_*, DATABASE_URL, REDIS_URL) exactly as `loraplex serve` reads it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from bench.server import free_port
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+# A limit no run reaches: every request still runs the whole Lua admission and settle.
+_UNREACHED = {"rpm": 10**9, "tpm": 10**12, "max_concurrency": 10**6, "monthly_tokens": 10**15}
+# Set here for each server; never inherited from the caller's environment.
+_ENV_OWNED = ("DATABASE_URL", "REDIS_URL", "database_url", "redis_url")
+
+
+@dataclass(slots=True)
+class UsageCheck:
+    server: str
+    responses_ok: int  # 200 responses to generation requests (warm-ups included)
+    rows: int  # usage rows of this server's tenant (NULL tenant: no-auth)
+    rows_matching: int  # rows whose request id is one of the responses' ids
+    completion_tokens: int  # summed over the rows
+    expected_completion_tokens: int
+    exit_code: int | None  # of the server after SIGTERM (0: drained and flushed cleanly)
+
+    @property
+    def ok(self) -> bool:
+        return (
+            self.exit_code == 0
+            and self.rows == self.rows_matching == self.responses_ok
+            and self.completion_tokens == self.expected_completion_tokens
+        )
+
+
+@dataclass(slots=True)
+class Server:
+    name: str
+    base_url: str
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+    database_url: str
+    tenant_id: str | None = None  # None: no-auth
+    headers: dict[str, str] = field(default_factory=dict)
+    ok_ids: set[str] = field(default_factory=set)  # ids of 200 generation responses
+
+    def cpu_seconds(self) -> float | None:
+        """User + system CPU time of the server process so far (Linux /proc)."""
+        try:
+            fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            return None
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def start_server(name: str, data_dir: Path, *, no_auth: bool, admin_key: str,
+                 database_url: str | None, redis_url: str) -> Server:
+    """`create_app(InstantEngine(), Settings())` served like `loraplex serve`, in its own
+    interpreter; database_url None: a fresh SQLite file under data_dir."""
+    data_dir.mkdir(parents=True)
+    port = free_port()
+    database_url = database_url or f"sqlite:///{data_dir / 'loraplex.db'}"
+    env = {k: v for k, v in os.environ.items()
+           if not k.upper().startswith("LORAPLEX_") and k not in _ENV_OWNED}
+    env |= {
+        "LORAPLEX_PORT": str(port),
+        "LORAPLEX_DATA_DIR": str(data_dir),
+        "LORAPLEX_NO_AUTH": "true" if no_auth else "false",
+        "LORAPLEX_ADMIN_KEY": admin_key,
+        "LORAPLEX_SECRET_KEY": secrets.token_urlsafe(32),
+        "DATABASE_URL": database_url,
+        "REDIS_URL": redis_url,
+    }
+    log_path = data_dir / "server.log"
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "bench.gateway_server"],
+            cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+        )
+    return Server(name, f"http://127.0.0.1:{port}", proc, log_path, database_url)
+
+
+def wait_healthy(server: Server, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if server.proc.poll() is not None:
+            raise RuntimeError(f"{server.name} server exited with {server.proc.returncode}:\n"
+                               f"{server.log_path.read_text()[-3000:]}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{server.base_url}/health", timeout=2).status_code == 200:
+                return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{server.name} server not healthy after {timeout_s:.0f}s")
+        time.sleep(0.2)
+
+
+def stop_server(server: Server, timeout_s: float = 60.0) -> None:
+    """SIGTERM, as an orchestrator stops a replica: in-flight requests finish, usage flushes."""
+    if server.proc.poll() is None:
+        server.proc.send_signal(signal.SIGTERM)
+    try:
+        server.proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        server.proc.kill()
+        server.proc.wait()
+
+
+def setup_tenant(server: Server, admin_key: str) -> None:
+    """One tenant with limits never reached, and an inference key, through the admin API."""
+    admin = {"Authorization": f"Bearer {admin_key}"}
+    with httpx.Client(base_url=server.base_url, headers=admin, timeout=30) as client:
+        tenant = client.post("/admin/tenants", json={"name": "bench", "quotas": _UNREACHED})
+        tenant.raise_for_status()
+        server.tenant_id = tenant.json()["id"]
+        key = client.post(f"/admin/tenants/{server.tenant_id}/keys", json={"name": "bench"})
+        key.raise_for_status()
+    server.headers = {"Authorization": f"Bearer {key.json()['key']}"}
+
+
+def serve_main() -> None:
+    """The server subprocess: Settings from the environment, an InstantEngine, uvicorn."""
+    from app.cli import serve_app
+    from app.core.config import Settings
+    from app.main import create_app
+    from bench.instant_engine import InstantEngine
+
+    engine = InstantEngine()
+    settings = Settings()
+    asyncio.run(serve_app(create_app(engine, settings), engine, settings))
+
+
+def check_usage(server: Server, max_tokens: int) -> UsageCheck:
+    """Count the usage rows the server wrote (call after it has stopped and flushed)."""
+    from sqlalchemy import func, select
+
+    from app.db import make_engine
+    from app.models import UsageRecord
+
+    scope = (UsageRecord.tenant_id.is_(None) if server.tenant_id is None
+             else UsageRecord.tenant_id == server.tenant_id)
+    ids = sorted(server.ok_ids)
+    engine = make_engine(server.database_url)
+    try:
+        with engine.connect() as conn:
+            rows, tokens = conn.execute(
+                select(func.count(), func.coalesce(func.sum(UsageRecord.completion_tokens), 0))
+                .where(scope)
+            ).one()
+            matching = 0
+            for i in range(0, len(ids), 500):
+                matching += conn.scalar(
+                    select(func.count()).select_from(UsageRecord)
+                    .where(scope, UsageRecord.request_id.in_(ids[i:i + 500]))
+                ) or 0
+    finally:
+        engine.dispose()
+    return UsageCheck(
+        server=server.name,
+        responses_ok=len(ids),
+        rows=rows,
+        rows_matching=matching,
+        completion_tokens=int(tokens),
+        expected_completion_tokens=len(ids) * max_tokens,
+        exit_code=server.proc.returncode,
+    )
+
+
+def flush_redis(url: str) -> None:
+    import redis
+
+    client = redis.Redis.from_url(url, socket_connect_timeout=3)
+    try:
+        client.flushdb()
+    finally:
+        client.close()
+
+
+@contextlib.contextmanager
+def running_servers(
+    root: Path, *, database_url: str | None, redis_url: str
+) -> Iterator[tuple[Server, Server]]:
+    """A server with keys (its tenant and key set up) and a no-auth one; stopped (SIGTERM)
+    on exit, so that both have flushed their usage when this returns."""
+    admin_key = secrets.token_urlsafe(24)
+
+    def start(name: str, *, no_auth: bool) -> Server:
+        return start_server(name, root / name, no_auth=no_auth, admin_key=admin_key,
+                            database_url=database_url, redis_url=redis_url)
+
+    keys = start("keys", no_auth=False)
+    try:
+        no_auth = start("no-auth", no_auth=True)
+        try:
+            wait_healthy(keys)
+            wait_healthy(no_auth)
+            setup_tenant(keys, admin_key)
+            yield keys, no_auth
+        finally:
+            stop_server(no_auth)
+    finally:
+        stop_server(keys)
+
+
+
+if __name__ == "__main__":
+    serve_main()
