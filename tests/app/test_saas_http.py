@@ -314,3 +314,35 @@ def test_ready_reports_database_and_redis(tmp_path: Path, redis_url: str) -> Non
             while httpx.get(f"{one.base_url}/ready").status_code != 200:
                 assert time.monotonic() < deadline, "never ready again"
                 time.sleep(0.1)
+
+
+@pytest.mark.parametrize("mode", ["open", "closed"])
+def test_redis_outage_fails_open_within_process_limits_or_closed(
+    sqlite_url: str, redis_url: str, tmp_path: Path, mode: str
+) -> None:
+    from tests.utils.tcp_proxy import TcpProxy
+
+    with TcpProxy("127.0.0.1", 6379) as proxy:
+        proxied = redis_url.replace("127.0.0.1:6379", f"127.0.0.1:{proxy.port}")
+        with instances(tmp_path, sqlite_url, proxied, quota_failure_mode=mode) as (one,):
+            with one.admin() as admin:
+                tenant = create_tenant(admin, "acme", rpm=3)
+                key = create_key(admin, tenant["id"])["key"]
+            chat(one.openai(key))  # through Redis
+            proxy.cut()
+            if mode == "closed":
+                response = httpx.post(
+                    f"{one.base_url}/v1/chat/completions", headers=bearer(key),
+                    json={"model": MODEL, "messages": USER, "max_tokens": 2},
+                )
+                assert response.status_code == 503
+                assert response.json()["error"]["code"] == "overloaded"
+                assert int(response.headers["retry-after"]) >= 1
+                return
+            # Open: this process's own limiter admits up to the limit (3), then refuses.
+            for _ in range(3):
+                chat(one.openai(key))
+            with pytest.raises(openai.RateLimitError):
+                chat(one.openai(key))
+            text = httpx.get(f"{one.base_url}/metrics").text
+            assert "loraplex_quota_fail_open_total 4.0" in text
