@@ -36,12 +36,23 @@ class DrainingServer(uvicorn.Server):
     aborts it in the engine.
     """
 
-    def __init__(self, app: FastAPI, config: uvicorn.Config) -> None:
+    def __init__(
+        self,
+        app: FastAPI,
+        config: uvicorn.Config,
+        *,
+        on_exit: Callable[[], None] | None = None,
+    ) -> None:
+        """on_exit: what to do first on SIGTERM/SIGINT (default: the API app's drain)."""
         super().__init__(config)
         self._app = app
+        self._on_exit = on_exit
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        begin_drain(self._app)
+        if self._on_exit is not None:
+            self._on_exit()
+        else:
+            begin_drain(self._app)
         super().handle_exit(sig, frame)
 
     @contextlib.contextmanager
@@ -169,6 +180,10 @@ def _engine_options(func: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--block-size", default=16, show_default=True, type=click.IntRange(min=1)),
         click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=True,
                      show_default=True),
+        click.option("--fairness", default="vtc", show_default=True,
+                     type=click.Choice(["vtc", "fcfs"]),
+                     help="Order within a priority: vtc (fair share per tenant) or fcfs "
+                          "(arrival order)."),
     ]
     for option in reversed(options):
         func = option(func)
@@ -301,12 +316,21 @@ def db_downgrade(revision: str) -> None:
 
 
 def _register_subcommands() -> None:
+    from app.plan_cli import plan
+    from app.scaleout_cli import gateway, worker
     from bench.cli import bench
 
     main.add_command(bench)
+    main.add_command(plan)
+    main.add_command(worker)
+    main.add_command(gateway)
 
-
-_register_subcommands()
 
 if __name__ == "__main__":
-    main()
+    # NOTE: run as `python -m app.cli`, this file is __main__, a second copy of app.cli;
+    # the subcommand modules import app.cli itself, so run the commands from there.
+    from app.cli import main as registered_main
+
+    registered_main()
+else:
+    _register_subcommands()

@@ -237,3 +237,57 @@ def lora_cold_load(loads: int, **kwargs: Any) -> None:
     from bench.lora import run_cold_load
 
     run_cold_load(_lora_bench_options(**kwargs), loads=loads)
+
+
+@bench.command("fairness")
+@click.option("--model", default="default", show_default=True)
+@click.option("--scenario", "scenarios", multiple=True, type=click.Choice(["tenants", "tiers"]),
+              default=("tenants", "tiers"), show_default=True,
+              help="tenants: two standard tenants; tiers: batch floods, premium probes")
+@click.option("--fairness", "modes", multiple=True, type=click.Choice(["vtc", "fcfs"]),
+              default=("vtc", "fcfs"), show_default=True, help="one server per mode")
+@click.option("--flood-requests", default=24, show_default=True)
+@click.option("--flood-prompt-len", default="400-800", show_default=True, help="min-max tokens")
+@click.option("--flood-output-len", default="32", show_default=True, help="min-max tokens")
+@click.option("--probe-requests", default=6, show_default=True)
+@click.option("--probe-prompt-len", default="20-60", show_default=True, help="min-max tokens")
+@click.option("--probe-output-len", default="16", show_default=True, help="min-max tokens")
+@click.option("--probe-start", "probe_start_s", default=2.0, show_default=True,
+              help="seconds after the flood")
+@click.option("--probe-interval", "probe_interval_s", default=2.0, show_default=True,
+              help="seconds between probes")
+@click.option("--seed", default=0, show_default=True)
+@click.option("--serve-arg", "serve_args", multiple=True,
+              help="extra flag for `serve` [default: --max-num-batched-tokens 512]")
+@click.option(
+    "--output",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="JSON report [default: bench/results/fairness-<timestamp>.json]",
+)
+def fairness(
+    scenarios: tuple[str, ...],
+    modes: tuple[str, ...],
+    flood_prompt_len: str,
+    flood_output_len: str,
+    probe_prompt_len: str,
+    probe_output_len: str,
+    serve_args: tuple[str, ...],
+    **kwargs: Any,
+) -> None:
+    """Noisy neighbour through the HTTP API: one tenant floods, another probes; TTFT of
+    each, with VTC fairness and with fcfs."""
+    from bench.fairness import FairnessOptions, run_fairness
+
+    options = FairnessOptions(
+        scenarios=scenarios,
+        modes=modes,
+        flood_prompt_len=_range(flood_prompt_len),
+        flood_output_len=_range(flood_output_len),
+        probe_prompt_len=_range(probe_prompt_len),
+        probe_output_len=_range(probe_output_len),
+        **kwargs,
+    )
+    if serve_args:
+        options.serve_args = [a for arg in serve_args for a in arg.split()]
+    run_fairness(options)

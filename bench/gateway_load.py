@@ -18,6 +18,12 @@ from typing import Any, Protocol
 
 import httpx
 
+# Idle keep-alive connections older than this are closed, not reused: uvicorn closes
+# them after 5 s, and a request sent as the server closes would fail for the client's
+# reasons, not the server's.
+_MAX_IDLE_S = 2.0
+_Connection = tuple[asyncio.StreamReader, asyncio.StreamWriter]
+
 
 @dataclass(slots=True)
 class Probe:
@@ -50,7 +56,7 @@ class RawClient:
     def __init__(self, host: str, port: int) -> None:
         self.host = host
         self.port = port
-        self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+        self._idle: list[tuple[_Connection, float]] = []  # (connection, idle since), LIFO
         self._encoded: dict[int, bytes] = {}  # id(probe) -> its request bytes
 
     def _encode(self, probe: Probe) -> bytes:
@@ -66,11 +72,17 @@ class RawClient:
             self._encoded[id(probe)] = data
         return data
 
+    async def _checkout(self) -> _Connection:
+        now = asyncio.get_running_loop().time()
+        while self._idle:
+            (reader, writer), idle_since = self._idle.pop()
+            if not reader.at_eof() and now - idle_since < _MAX_IDLE_S:
+                return reader, writer
+            writer.close()
+        return await asyncio.open_connection(self.host, self.port)
+
     async def send(self, probe: Probe) -> Reply:
-        if self._idle:
-            reader, writer = self._idle.pop()
-        else:
-            reader, writer = await asyncio.open_connection(self.host, self.port)
+        reader, writer = await self._checkout()
         try:
             writer.write(self._encode(probe))
             head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1")
@@ -88,11 +100,11 @@ class RawClient:
         if headers.get("connection", "").lower() == "close":
             writer.close()
         else:
-            self._idle.append((reader, writer))
+            self._idle.append(((reader, writer), asyncio.get_running_loop().time()))
         return Reply(int(status_line.split(" ", 2)[1]), body)
 
     async def aclose(self) -> None:
-        for _, writer in self._idle:
+        for (_, writer), _ in self._idle:
             writer.close()
         self._idle.clear()
 

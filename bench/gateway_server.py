@@ -109,15 +109,18 @@ def wait_healthy(server: Server, timeout_s: float = 120.0) -> None:
         time.sleep(0.2)
 
 
-def stop_server(server: Server, timeout_s: float = 60.0) -> None:
-    """SIGTERM, as an orchestrator stops a replica: in-flight requests finish, usage flushes."""
-    if server.proc.poll() is None:
-        server.proc.send_signal(signal.SIGTERM)
-    try:
-        server.proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        server.proc.kill()
-        server.proc.wait()
+def stop_servers(servers: list[Server], timeout_s: float = 60.0) -> None:
+    """SIGTERM, as an orchestrator stops a replica: in-flight requests finish, usage
+    flushes. All are signalled first, so that they drain at the same time."""
+    for server in servers:
+        if server.proc.poll() is None:
+            server.proc.send_signal(signal.SIGTERM)
+    for server in servers:
+        try:
+            server.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            server.proc.kill()
+            server.proc.wait()
 
 
 def setup_tenant(server: Server, admin_key: str) -> None:
@@ -202,19 +205,15 @@ def running_servers(
         return start_server(name, root / name, no_auth=no_auth, admin_key=admin_key,
                             database_url=database_url, redis_url=redis_url)
 
-    keys = start("keys", no_auth=False)
+    servers = [start("keys", no_auth=False)]
     try:
-        no_auth = start("no-auth", no_auth=True)
-        try:
-            wait_healthy(keys)
-            wait_healthy(no_auth)
-            setup_tenant(keys, admin_key)
-            yield keys, no_auth
-        finally:
-            stop_server(no_auth)
+        servers.append(start("no-auth", no_auth=True))
+        for server in servers:
+            wait_healthy(server)
+        setup_tenant(servers[0], admin_key)
+        yield servers[0], servers[1]
     finally:
-        stop_server(keys)
-
+        stop_servers(servers)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ from typing import Any
 
 from engine.client import AdapterInfo, AdapterPlacement, EngineStats
 from engine.lora.weights import AdapterError
-from engine.request import RequestOutput, SamplingParams, TokenLogprob
+from engine.request import RequestOutput, SamplingParams, TenantContext, TokenLogprob
 
 _FILLER = b"the quick brown fox jumps over the lazy dog "
 _VOCAB_SIZE = 256
@@ -69,6 +69,7 @@ class InstantEngine:
         adapter_id: str | None = None,
         salt: str | None = None,
         priority: int = 0,
+        tenant: TenantContext | None = None,
     ) -> AsyncIterator[RequestOutput]:
         if not prompt_token_ids:
             raise ValueError("prompt must contain at least one token")

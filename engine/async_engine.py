@@ -17,7 +17,7 @@ from engine.engine_core import EngineCore
 from engine.lora.peft import module_shape
 from engine.lora.weights import TARGET_MODULES
 from engine.model_loader import ModelConfig
-from engine.request import Request, RequestOutput, SamplingParams
+from engine.request import Request, RequestOutput, SamplingParams, TenantContext
 
 log = logging.getLogger("loraplex.engine")
 
@@ -179,8 +179,10 @@ class AsyncEngine:
     def max_adapter_bytes(self) -> int:
         return max_adapter_bytes(self.core.runner.model_config, self.config.max_lora_rank)
 
-    def check_request(self, num_prompt_tokens: int, max_tokens: int) -> None:
-        self.core.check_request(num_prompt_tokens, max_tokens)
+    def check_request(
+        self, num_prompt_tokens: int, max_tokens: int, tenant: TenantContext | None = None
+    ) -> None:
+        self.core.check_request(num_prompt_tokens, max_tokens, tenant)
 
     async def generate(
         self,
@@ -191,6 +193,7 @@ class AsyncEngine:
         adapter_id: str | None = None,
         salt: str | None = None,
         priority: int = 0,
+        tenant: TenantContext | None = None,
     ) -> AsyncIterator[RequestOutput]:
         if self._error is not None:
             raise EngineDeadError(f"engine failed: {self._error}")
@@ -203,10 +206,11 @@ class AsyncEngine:
             adapter_id=adapter_id,  # the adapter's name; the core binds it to a version
             salt=salt,
             priority=priority,
+            tenant=tenant,
         )
         # Reject up front, in the caller's thread, what the core would refuse.
         self.core.check_prompt_ids(request.prompt_token_ids)
-        self.core.check_request(request.num_prompt_tokens, sampling.max_tokens)
+        self.core.check_request(request.num_prompt_tokens, sampling.max_tokens, tenant)
         stream = _Stream(loop=asyncio.get_running_loop())
         with self._lock:
             if request_id in self._streams:

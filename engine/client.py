@@ -7,7 +7,16 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from engine.lora.cache import AdapterCacheStats
-from engine.request import RequestOutput, SamplingParams
+from engine.request import RequestOutput, SamplingParams, TenantContext
+
+__all__ = [
+    "AdapterInfo",
+    "AdapterPlacement",
+    "EngineClient",
+    "EngineStats",
+    "RequestRejected",
+    "TenantContext",
+]
 
 
 class RequestRejected(ValueError):
@@ -91,9 +100,14 @@ class EngineClient(Protocol):
         adapter_id: str | None = None,
         salt: str | None = None,
         priority: int = 0,
+        tenant: TenantContext | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream outputs until one has finished=True. Closing the iterator early
-        (client gone, task cancelled) aborts the request and frees what it held."""
+        (client gone, task cancelled) aborts the request and frees what it held.
+
+        `priority`: lower is served first. `tenant`: who the request is for (fair share,
+        per-tenant caps and limits); None: the shared anonymous tenant. Raises
+        RequestRejected (e.g. code max_tokens_exceeded / context_length_exceeded)."""
         ...
 
     def abort(self, request_id: str) -> None: ...

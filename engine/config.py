@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 
 def default_data_dir() -> Path:
@@ -31,6 +32,14 @@ class EngineConfig:
     # CPU float32: run linear layers on oneDNN-packed weights (see engine/models/cpu_linear.py).
     pack_cpu_weights: bool = True
     data_dir: Path | None = None  # None: LORAPLEX_DATA_DIR or ./var
+    # Order of waiting requests within a priority (see engine/fairness.py): "vtc" serves
+    # the tenant with the least weighted service first; "fcfs" serves by arrival.
+    fairness: Literal["vtc", "fcfs"] = "vtc"
+    vtc_prompt_weight: float = 1.0  # VTC cost of one prompt token computed (w_p)
+    vtc_output_weight: float = 2.0  # VTC cost of one output token generated (w_q)
+    # A waiting request's priority improves by one level per aging_s seconds waited (down
+    # to 0), so low-priority requests are never starved; None: no aging.
+    aging_s: float | None = 30.0
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -39,6 +48,12 @@ class EngineConfig:
             raise ValueError("max_num_seqs must be >= 1")
         if self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be >= 1")
+        if self.fairness not in ("vtc", "fcfs"):
+            raise ValueError(f"fairness must be 'vtc' or 'fcfs', got {self.fairness!r}")
+        if self.vtc_prompt_weight < 0 or self.vtc_output_weight < 0:
+            raise ValueError("vtc_prompt_weight and vtc_output_weight must be >= 0")
+        if self.aging_s is not None and not self.aging_s > 0:
+            raise ValueError(f"aging_s must be > 0 (or None: no aging), got {self.aging_s}")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.block_size:
             raise ValueError(
                 f"kv_cache_tokens ({self.kv_cache_tokens}) must hold at least one block "

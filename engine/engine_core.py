@@ -20,7 +20,7 @@ from engine.lora.peft import load_peft_adapter
 from engine.lora.weights import AdapterError, LoRAWeights
 from engine.model_loader import resolve_model
 from engine.model_runner import ModelRunner
-from engine.request import Request, RequestOutput, RequestStatus, TokenLogprob
+from engine.request import Request, RequestOutput, RequestStatus, TenantContext, TokenLogprob
 from engine.sampler import Sampler
 from engine.scheduler import Scheduler
 
@@ -228,8 +228,13 @@ class EngineCore:
     def kv_capacity_tokens(self) -> int:
         return self.runner.num_blocks * self.config.block_size
 
-    def check_request(self, num_prompt_tokens: int, max_tokens: int) -> None:
-        """Raise RequestRejected for a request that can never complete."""
+    def check_request(
+        self, num_prompt_tokens: int, max_tokens: int, tenant: TenantContext | None = None
+    ) -> None:
+        """Raise RequestRejected for a request that can never complete, or that asks for
+        more than its tenant's per-request limits."""
+        if tenant is not None:
+            check_tenant_limits(tenant, num_prompt_tokens, max_tokens)
         if num_prompt_tokens >= self.max_model_len:
             raise RequestRejected(
                 f"This model's maximum context length is {self.max_model_len} tokens; "
@@ -270,7 +275,9 @@ class EngineCore:
         if request.request_id in self._tracked:
             raise ValueError(f"duplicate request id {request.request_id!r}")
         self.check_prompt_ids(request.prompt_token_ids)
-        self.check_request(request.num_prompt_tokens, request.sampling.max_tokens)
+        self.check_request(
+            request.num_prompt_tokens, request.sampling.max_tokens, request.tenant
+        )
         self._bind_adapter(request)
         if request.eos_token_id is None and self.tokenizer.eos_token_id is not None:
             request.eos_token_id = self.tokenizer.eos_token_id
@@ -377,4 +384,33 @@ class EngineCore:
             num_cached_tokens=request.num_cached_tokens,
             new_logprobs=new_logprobs,
             new_token_texts=token_texts,
+        )
+
+
+def check_tenant_limits(tenant: TenantContext, num_prompt_tokens: int, max_tokens: int) -> None:
+    """The tenant's per-request limits, enforced here too: a gateway that forgets them
+    cannot let one request take more than its plan allows."""
+    if tenant.max_tokens is not None and max_tokens > tenant.max_tokens:
+        raise RequestRejected(
+            f"max_tokens is {max_tokens}; this account allows at most {tenant.max_tokens} "
+            "per request.",
+            code="max_tokens_exceeded",
+            param="max_tokens",
+        )
+    context = tenant.max_context_tokens
+    if context is None:
+        return
+    if num_prompt_tokens >= context:
+        raise RequestRejected(
+            f"This account's context limit is {context} tokens; the prompt has "
+            f"{num_prompt_tokens} tokens.",
+            code="context_length_exceeded",
+            param="messages",
+        )
+    if num_prompt_tokens + max_tokens > context:
+        raise RequestRejected(
+            f"This account's context limit is {context} tokens; the prompt "
+            f"({num_prompt_tokens} tokens) plus max_tokens ({max_tokens}) exceeds it.",
+            code="context_length_exceeded",
+            param="max_tokens",
         )

@@ -3,10 +3,40 @@
 from __future__ import annotations
 
 import enum
+import math
 import time
 from dataclasses import dataclass, field
 
 import torch
+
+ANONYMOUS_TENANT = "-"  # the one scheduling tenant of every request that names none
+
+
+@dataclass(frozen=True, slots=True)
+class TenantContext:
+    """Who a request is for, as far as scheduling goes (no keys, no SQL: just numbers)."""
+
+    tenant_id: str
+    weight: float = 1.0  # VTC weight (from the tenant's plan); > 0
+    max_running: int | None = None  # this tenant's sequences running at once
+    # Share of the KV blocks it may hold while others wait (0..1].
+    max_kv_fraction: float | None = None
+    max_tokens: int | None = None  # per request (enforced in the engine too)
+    max_context_tokens: int | None = None  # prompt + max_tokens
+
+    def __post_init__(self) -> None:
+        if not self.tenant_id:
+            raise ValueError("tenant_id must not be empty")
+        if not 0 < self.weight < math.inf:
+            raise ValueError(f"weight must be > 0, got {self.weight}")
+        if self.max_running is not None and self.max_running < 1:
+            raise ValueError(f"max_running must be >= 1, got {self.max_running}")
+        if self.max_kv_fraction is not None and not 0 < self.max_kv_fraction <= 1:
+            raise ValueError(f"max_kv_fraction must be in (0, 1], got {self.max_kv_fraction}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.max_context_tokens is not None and self.max_context_tokens < 2:
+            raise ValueError(f"max_context_tokens must be >= 2, got {self.max_context_tokens}")
 
 
 @dataclass(slots=True)
@@ -85,6 +115,8 @@ class Request:
     adapter_id: str | None = None  # None: base model
     salt: str | None = None  # tenant salt for the prefix-cache hash chain
     priority: int = 0  # lower value = served first
+    # None: the shared anonymous tenant (ANONYMOUS_TENANT, weight 1, no caps).
+    tenant: TenantContext | None = None
     arrival_time: float = field(default_factory=time.monotonic)
 
     status: RequestStatus = RequestStatus.WAITING
@@ -103,6 +135,10 @@ class Request:
             raise ValueError("prompt must contain at least one token")
         if self.sampling.seed is not None and self.generator is None:
             self.generator = torch.Generator().manual_seed(self.sampling.seed)
+
+    @property
+    def tenant_id(self) -> str:
+        return ANONYMOUS_TENANT if self.tenant is None else self.tenant.tenant_id
 
     @property
     def num_prompt_tokens(self) -> int:

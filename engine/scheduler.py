@@ -6,8 +6,9 @@ order, each with what it still needs (1 token for a decode, the rest of its prom
 the budget, for an unfinished prefill); then waiting requests are admitted in queue order and
 may be chunked too (chunked prefill).
 
-Waiting queue order: priority (lower value first), then preempted requests before the others
-of their priority, then arrival time, then insertion order.
+Waiting queue order (engine/fairness.py): effective priority (lower value first; waiting
+requests age towards 0), then the tenant's virtual token counter (fairness "vtc"; "fcfs"
+leaves it out), then preempted requests before new ones, then arrival, then insertion.
 
 NOTE: max_loras. A step holds at most `max_loras` distinct adapters, and a waiting request is
 admitted only if the adapters of ALL running requests, plus its own, stay within that limit.
@@ -21,10 +22,19 @@ always fits. A request whose adapter is still loading from disk is skipped witho
 anybody (see AdapterHooks): requests for resident adapters never wait on another one's load.
 
 NOTE: preemption by recompute. When a running request cannot get blocks, the worst running
-request (highest priority value, then latest arrival) loses its blocks and goes back to the
-front of its priority in the waiting queue; it keeps its output tokens and is re-prefilled
-over prompt + output (the prefix cache usually returns most of it). No waiting request is
-admitted in a step that preempted: memory is short, admitting would only thrash.
+request (highest priority value, then highest tenant counter under "vtc", then latest
+arrival) loses its blocks and goes back to the front of its tenant's requests of its priority
+in the waiting queue; it keeps its output tokens and is re-prefilled over prompt + output
+(the prefix cache usually returns most of it). No waiting request is admitted in a step that
+preempted: memory is short, admitting would only thrash. A waiting request that cannot get
+blocks preempts the worst running request only if that one's own priority is strictly lower
+(a larger value); otherwise admission stops there.
+
+NOTE: per-tenant caps (TenantContext). A tenant with `max_running` requests running is
+skipped, others are admitted. A tenant whose running requests hold at least `max_kv_fraction`
+of the KV blocks is deferred: its waiting requests are considered only after every other
+tenant's waiting request was admitted or skipped in that step, so alone (or when the others
+cannot run) it may still fill the cache. Neither cap preempts anything.
 
 Contract with the engine: `abort_request` and `finish_request` are called between steps, never
 between `schedule()` and `update_after_step()`.
@@ -32,16 +42,16 @@ between `schedule()` and `update_after_step()`.
 
 from __future__ import annotations
 
-import bisect
 import itertools
+import time
 from collections import Counter
+from collections.abc import Callable
 from typing import Protocol
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
+from engine.fairness import FairQueue, Gate, TenantState
 from engine.request import Request, RequestStatus, ScheduledChunk, SchedulerOutput
-
-_WaitingKey = tuple[int, int, float, int]
 
 
 class AdapterHooks(Protocol):
@@ -68,14 +78,16 @@ class Scheduler:
         config: EngineConfig,
         block_manager: BlockManager,
         adapters: AdapterHooks | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,  # the clock of Request.arrival_time
     ) -> None:
         self.config = config
         self.block_manager = block_manager
         self.adapters = adapters
+        self.clock = clock
         # Running requests in admission order.
         self.running: list[Request] = []
-        # (key, request) sorted by key; keys are unique, so requests are never compared.
-        self._waiting: list[tuple[_WaitingKey, Request]] = []
+        self.fair = FairQueue(config)
         self._requests: dict[str, Request] = {}
         self._seq: dict[str, int] = {}
         self._counter = itertools.count()
@@ -89,12 +101,12 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self._waiting)
+        return len(self.fair)
 
     @property
     def waiting(self) -> list[Request]:
-        """Waiting requests in the order they will be considered."""
-        return [request for _, request in self._waiting]
+        """Waiting requests in the order the next step considers them (before its charges)."""
+        return self.fair.ordered(self.clock())
 
     @property
     def max_tokens_capacity(self) -> int:
@@ -102,7 +114,7 @@ class Scheduler:
         return self.block_manager.num_token_slots
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.running or self._waiting)
+        return bool(self.running or len(self.fair))
 
     def get_request(self, request_id: str) -> Request | None:
         return self._requests.get(request_id)
@@ -126,7 +138,7 @@ class Scheduler:
             self.adapters.reserve(request.adapter_id)
         self._requests[request.request_id] = request
         self._seq[request.request_id] = next(self._counter)
-        self._push_waiting(request)
+        self.fair.push(request, self._seq[request.request_id])
 
     def abort_request(self, request_id: str) -> Request | None:
         """Abort a live request, free its blocks; None if it is unknown or already finished."""
@@ -142,8 +154,9 @@ class Scheduler:
         was_running = request.status == RequestStatus.RUNNING
         if was_running:
             self.running.remove(request)
+            self.fair.stop(request)
         else:
-            self._remove_waiting(request)
+            self.fair.remove(request)
         self.block_manager.free(request)
         if request.adapter_id is not None and self.adapters is not None:
             if was_running:
@@ -157,6 +170,7 @@ class Scheduler:
     # ---- the step ---------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
+        now = self.clock()
         budget = self.config.max_num_batched_tokens
         chunks: dict[str, ScheduledChunk] = {}  # insertion order = scheduling order
         step_adapters: Counter[str] = Counter()
@@ -195,9 +209,16 @@ class Scheduler:
                 step_adapters[request.adapter_id] += 1
             index += 1
 
+        # Charged once no running chunk can be taken back by the loop above.
+        charges = {rid: self.fair.cost(chunk) for rid, chunk in chunks.items()}
+        for rid, cost in charges.items():
+            self.fair.charge(chunks[rid].request, cost)
+
         num_loading = 0
         if not preempted:
-            budget, num_loading = self._admit_waiting(budget, chunks)
+            num_loading = self._admit_waiting(
+                budget, chunks, step_adapters, charges, preempted, now
+            )
 
         decodes = [c for c in chunks.values() if _is_decode(c)]
         prefills = [c for c in chunks.values() if not _is_decode(c)]
@@ -217,17 +238,30 @@ class Scheduler:
     # ---- internals --------------------------------------------------------------------
 
     def _admit_waiting(
-        self, budget: int, chunks: dict[str, ScheduledChunk]
-    ) -> tuple[int, int]:
-        """Admit waiting requests in queue order; returns the budget left and how many
-        requests were skipped because their adapter is still loading."""
+        self,
+        budget: int,
+        chunks: dict[str, ScheduledChunk],
+        step_adapters: Counter[str],
+        charges: dict[str, float],
+        preempted: list[Request],
+        now: float,
+    ) -> int:
+        """Admit waiting requests in queue order; returns how many were skipped because
+        their adapter is still loading. Victims of admission preemption go to `preempted`."""
         num_loading = 0
         running_adapters = Counter(r.adapter_id for r in self.running if r.adapter_id is not None)
+        held_blocks: Counter[str] = Counter()
+        for running in self.running:
+            held_blocks[running.tenant_id] += len(running.block_ids)
         is_head = True  # the first request considered (adapters still loading don't count)
         hold_adapters = False  # the head waits for an adapter slot: nobody takes one first
-        for _, request in list(self._waiting):
+        for request in self.fair.admission_order(now, self._gate(held_blocks)):
             if budget == 0 or len(self.running) >= self.config.max_num_seqs:
                 break
+            if request.status == RequestStatus.PREEMPTED and any(
+                victim is request for victim in preempted
+            ):
+                continue  # it just gave its blocks to a more urgent request
             adapter_id = request.adapter_id
             if (
                 adapter_id is not None
@@ -242,13 +276,30 @@ class Scheduler:
             ):
                 hold_adapters = hold_adapters or was_head
                 continue
-            num_hit = self.block_manager.get_computed_tokens(request)
-            num_new = min(request.num_tokens - num_hit, budget)
-            if not self.block_manager.allocate_slots(request, num_new, num_cached_tokens=num_hit):
-                # NOTE: strict queue order on memory: letting smaller requests pass would
-                # starve a large one for ever.
-                break
-            self._remove_waiting(request)
+            while True:
+                # Recomputed after each preemption: the victim may have taken cache hits
+                # registered this step with it, and its chunk's tokens are back in the budget.
+                num_hit = self.block_manager.get_computed_tokens(request)
+                num_new = min(request.num_tokens - num_hit, budget)
+                if self.block_manager.allocate_slots(
+                    request, num_new, num_cached_tokens=num_hit
+                ):
+                    break
+                victim = max(self.running, key=self._eviction_rank, default=None)
+                if victim is None or victim.priority <= request.priority:
+                    # NOTE: strict queue order on memory: letting smaller requests pass would
+                    # starve a large one for ever.
+                    return num_loading
+                held_blocks[victim.tenant_id] -= len(victim.block_ids)
+                if victim.adapter_id is not None:
+                    running_adapters[victim.adapter_id] -= 1
+                    if not running_adapters[victim.adapter_id]:
+                        del running_adapters[victim.adapter_id]
+                self._preempt(victim)
+                preempted.append(victim)
+                budget += _unschedule(victim, chunks, step_adapters)
+                self.fair.charge(victim, -charges.pop(victim.request_id, 0.0))
+            self.fair.admit(request)
             if adapter_id is not None and self.adapters is not None:
                 self.adapters.acquire(adapter_id)  # pins it in a device slot
                 self.adapters.unreserve(adapter_id)
@@ -257,42 +308,54 @@ class Scheduler:
             request.num_computed_tokens = num_hit
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            held_blocks[request.tenant_id] += len(request.block_ids)
             if adapter_id is not None:
                 running_adapters[adapter_id] += 1
-            chunks[request.request_id] = ScheduledChunk(request, num_hit, num_new)
+                step_adapters[adapter_id] += 1
+            chunk = chunks[request.request_id] = ScheduledChunk(request, num_hit, num_new)
+            charges[request.request_id] = self.fair.cost(chunk)
+            self.fair.charge(request, charges[request.request_id])
             budget -= num_new
-        return budget, num_loading
+        return num_loading
+
+    def _gate(self, held_blocks: Counter[str]) -> Callable[[TenantState], Gate]:
+        """The per-tenant caps, read at every pick of an admission pass."""
+        num_blocks = self.block_manager.num_blocks
+
+        def gate(state: TenantState) -> Gate:
+            context = state.context
+            if context is None:
+                return Gate.OPEN
+            if context.max_running is not None and state.num_running >= context.max_running:
+                return Gate.CLOSED
+            if (
+                context.max_kv_fraction is not None
+                and held_blocks[state.tenant_id] >= context.max_kv_fraction * num_blocks
+            ):
+                return Gate.DEFER
+            return Gate.OPEN
+
+        return gate
 
     def _adapter_fits(self, adapter_id: str | None, adapters: Counter[str]) -> bool:
         return adapter_id is None or adapter_id in adapters or len(adapters) < self.config.max_loras
 
-    def _eviction_rank(self, request: Request) -> tuple[int, float, int]:
+    def _eviction_rank(self, request: Request) -> tuple[int, float, float, int]:
         """Larger = preempted first."""
-        return (request.priority, request.arrival_time, self._seq[request.request_id])
+        counter = self.fair.counter(request.tenant_id) if self.fair.use_vtc else 0.0
+        return (request.priority, counter, request.arrival_time, self._seq[request.request_id])
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
+        request.status = RequestStatus.PREEMPTED
         self.block_manager.free(request)  # before the reset: free reads num_computed_tokens
         request.num_computed_tokens = 0
-        request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
         if request.adapter_id is not None and self.adapters is not None:
             self.adapters.reserve(request.adapter_id)
             self.adapters.release(request.adapter_id)
-        self._push_waiting(request)
-
-    def _waiting_key(self, request: Request) -> _WaitingKey:
-        is_new = 0 if request.status == RequestStatus.PREEMPTED else 1
-        return (request.priority, is_new, request.arrival_time, self._seq[request.request_id])
-
-    def _push_waiting(self, request: Request) -> None:
-        bisect.insort(self._waiting, (self._waiting_key(request), request), key=lambda e: e[0])
-
-    def _remove_waiting(self, request: Request) -> None:
-        index = bisect.bisect_left(self._waiting, self._waiting_key(request), key=lambda e: e[0])
-        assert self._waiting[index][1] is request, request.request_id
-        del self._waiting[index]
+        self.fair.requeue(request, self._seq[request.request_id])
 
 
 def _unschedule(

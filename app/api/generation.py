@@ -20,12 +20,15 @@ from app.api.errors import (
     APIError,
     invalid_request,
     model_not_found,
+    overloaded,
     server_error,
 )
 from app.api.serving import GenerationPlan, check_admission
 from app.api.state import AppState
-from app.models import UsageStatus
+from app.models import Isolation, UsageStatus
 from engine.client import RequestRejected
+from engine.remote.client import RemoteEngine, Route
+from engine.remote.protocol import WORKER_HEADER, NoWorkerAvailable, WorkerLost
 from engine.request import RequestOutput, TokenLogprob
 
 logger = logging.getLogger(__name__)
@@ -71,6 +74,39 @@ def generation_timeout() -> APIError:
                     code="timeout")
 
 
+def no_worker(state: AppState) -> APIError:
+    return overloaded(
+        "No engine worker can take this request right now; retry shortly.",
+        retry_after_s=state.settings.retry_after_s,
+    )
+
+
+def worker_lost() -> APIError:
+    return APIError(
+        502, "The engine worker running this request failed; retry the request.",
+        type=SERVER_ERROR, code="worker_lost",
+    )
+
+
+def route_plan(state: AppState, plan: GenerationPlan) -> Route | None:
+    """With the engine on workers: choose the worker now, so that the response (whose
+    headers go out before the first token) can name it. None for an in-process engine."""
+    engine = state.engine
+    if not isinstance(engine, RemoteEngine):
+        return None
+    tenant = plan.principal.tenant
+    try:
+        return engine.route(
+            [plan.engine_request_id(i) for i in range(plan.num_choices)],
+            adapter_id=plan.adapter_id,
+            tenant_id=None if tenant is None else tenant.id,
+            tenant_name=None if tenant is None else tenant.name,
+            dedicated=tenant is not None and tenant.isolation == Isolation.DEDICATED,
+        )
+    except NoWorkerAvailable as exc:
+        raise no_worker(state) from exc
+
+
 def aborted_by_server() -> APIError:
     return APIError(
         503, "The server aborted the request (shutting down); retry it.", type=SERVER_ERROR,
@@ -100,6 +136,7 @@ async def run_choices(
                 adapter_id=plan.adapter_id,
                 salt=plan.salt,
                 priority=plan.priority,
+                tenant=plan.engine_tenant,
             )
             async for output in stream:
                 queue.put_nowait((index, output))
@@ -134,6 +171,13 @@ async def run_choices(
                 raise generation_timeout() from None
             if isinstance(item, RequestRejected) and item.code == "model_not_found":
                 raise model_not_found(plan.model) from item  # removed since planning
+            if isinstance(item, RequestRejected):
+                raise invalid_request(str(item), param=item.param, code=item.code) from item
+            if isinstance(item, NoWorkerAvailable):
+                raise no_worker(state) from item
+            if isinstance(item, WorkerLost):
+                logger.warning("engine request %s: %s", plan.engine_request_id(index), item)
+                raise worker_lost() from item
             if isinstance(item, ValueError):
                 raise invalid_request(str(item)) from item
             if isinstance(item, BaseException) and state.draining:
@@ -230,26 +274,34 @@ async def serve_generation(
     account is closed exactly once: quota settled, usage recorded.
     """
     check_admission(state, plan.num_choices)
-    account = await open_account(state, plan)
+    route = route_plan(state, plan)
+    try:
+        account = await open_account(state, plan)
+    except BaseException:
+        if route is not None:
+            assert isinstance(state.engine, RemoteEngine)
+            state.engine.release([plan.engine_request_id(i) for i in range(plan.num_choices)])
+        raise
     plan.account = account
+    headers = dict(account.headers)
+    if route is not None:
+        headers[WORKER_HEADER] = route.worker_id
 
     def close_unstarted() -> None:
         # A no-op when the request ran: run_choices closed the account with its outcome.
         account.close(UsageStatus.ABORTED, [])
 
     if plan.stream:
-        return EventStreamResponse(
-            stream(state, plan), headers=account.headers, on_close=close_unstarted
-        )
+        return EventStreamResponse(stream(state, plan), headers=headers, on_close=close_unstarted)
     try:
         result = await unless_disconnected(request, respond(state, plan))
     finally:
         close_unstarted()
     if result is None:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
-    return Response(
-        result.model_dump_json(), media_type="application/json", headers=account.headers
-    )
+    if route is not None:
+        headers[WORKER_HEADER] = route.worker_id  # where it ran, after any retry
+    return Response(result.model_dump_json(), media_type="application/json", headers=headers)
 
 
 class EventStreamResponse(StreamingResponse):

@@ -16,7 +16,7 @@ from app.api.protocol import ChatCompletionRequest, CompletionRequest, Generatio
 from app.api.state import AppState
 from app.core.principal import AdapterRef, Principal
 from engine.client import EngineClient
-from engine.request import SamplingParams
+from engine.request import SamplingParams, TenantContext
 
 if TYPE_CHECKING:
     from app.api.accounting import RequestAccount
@@ -46,6 +46,8 @@ class GenerationPlan:
     arrival: float  # time.monotonic() when the request arrived
     # Quota admission, settlement and metering; set once the request is admitted.
     account: RequestAccount | None = None
+    # The share of the KV cache one tenant may hold while others wait (Settings).
+    kv_share: float | None = None
 
     @property
     def num_choices(self) -> int:
@@ -68,6 +70,20 @@ class GenerationPlan:
     def reserved_tokens(self) -> int:
         """What the request may use at most: its prompt and every choice's max_tokens."""
         return len(self.prompt_token_ids) + sum(s.max_tokens for s in self.sampling)
+
+    @property
+    def engine_tenant(self) -> TenantContext | None:
+        """What the engine's scheduler needs of the tenant: fairness key and caps (it
+        enforces the per-request limits again, in case a caller skipped them)."""
+        tenant = self.principal.tenant
+        if tenant is None:
+            return None
+        return TenantContext(
+            tenant_id=tenant.id,
+            max_kv_fraction=self.kv_share,
+            max_tokens=tenant.quotas.max_tokens,
+            max_context_tokens=tenant.quotas.max_context_tokens,
+        )
 
     @property
     def salt(self) -> str | None:
@@ -383,6 +399,7 @@ def plan_completion(
         include_usage=body.include_usage,
         created=int(time.time()),
         arrival=arrival,
+        kv_share=state.settings.tenant_kv_share,
     )
 
 
@@ -457,4 +474,5 @@ def plan_chat(
         include_usage=body.include_usage,
         created=int(time.time()),
         arrival=arrival,
+        kv_share=state.settings.tenant_kv_share,
     )

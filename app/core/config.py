@@ -76,8 +76,16 @@ class Settings(BaseSettings):
     # Usage records: written in batches of up to this many, at least this often.
     usage_batch_size: int = Field(default=500, ge=1)
     usage_flush_interval_s: float = Field(default=0.25, gt=0)
+    # While other tenants' requests wait, one tenant may hold at most this share of the
+    # KV cache (the engine defers its further requests; alone, it may use it all).
+    tenant_kv_share: float | None = Field(default=0.5, gt=0, le=1)
     # Adapter uploads (archives) may not be larger than this.
     max_upload_bytes: int = Field(default=1024 * 1024 * 1024, ge=1024)
+
+    # `loraplex gateway`: the token of the workers' internal API (LORAPLEX_WORKER_TOKEN),
+    # and how many workers one engine request may try before it fails.
+    worker_token: str | None = None
+    worker_attempts: int = Field(default=3, ge=1, le=10)
 
     @property
     def resolved_database_url(self) -> str:
@@ -123,3 +131,38 @@ class Settings(BaseSettings):
                 with os.fdopen(fd, "w") as f:
                     f.write(secrets.token_urlsafe(32))
         return path.read_text().strip()
+
+
+class WorkerSettings(BaseSettings):
+    """`loraplex worker`: one engine behind the internal API. Read from the same
+    environment as Settings; a worker has no database, keys or tenants of its own."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="LORAPLEX_", populate_by_name=True, extra="ignore"
+    )
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=8001, ge=0, le=65535)
+    # Adapters are read from <data_dir>/adapters/, the store gateways write to.
+    data_dir: Path = Path("./var")
+    redis_url: str | None = Field(
+        default=None, validation_alias=AliasChoices("redis_url", "REDIS_URL")
+    )
+    # Gateways must send it as a Bearer token (LORAPLEX_WORKER_TOKEN).
+    worker_token: str | None = None
+    # On SIGTERM: how long in-flight requests may run before they are aborted.
+    drain_timeout_s: float = Field(default=30.0, ge=0)
+    # A heartbeat this often; gateways drop a worker whose last one is older than the TTL.
+    heartbeat_interval_s: float = Field(default=1.0, gt=0)
+    heartbeat_ttl_s: float = Field(default=3.0, gt=0)
+    # The MIG profile of the slice this worker runs on (e.g. "3g.71gb"), for placement
+    # and operators; LORAPLEX_MIG_PROFILE, as `loraplex plan` prints it.
+    mig_profile: str | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> WorkerSettings:
+        if self.heartbeat_ttl_s <= self.heartbeat_interval_s:
+            raise ValueError(
+                "heartbeat_ttl_s must be longer than heartbeat_interval_s (a few intervals)"
+            )
+        return self

@@ -169,6 +169,10 @@ def test_max_tokens_limit_default_and_priority_and_salt(one: Instance) -> None:
     assert default.sampling.max_tokens == 8  # the tenant's limit is the default
     assert (default.priority, lowered.priority) == (0, 5)
     assert default.salt == premium["id"]
+    # The engine gets the tenant for fairness, with its limits to enforce again.
+    assert default.tenant is not None
+    assert (default.tenant.tenant_id, default.tenant.max_tokens) == (premium["id"], 8)
+    assert default.tenant.max_kv_fraction == 0.5
 
     # The batch tenant's context limit: an omitted max_tokens shrinks to fit, an
     # explicit one that does not fit is refused.

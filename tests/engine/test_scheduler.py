@@ -30,7 +30,10 @@ def make_scheduler(
         max_loras=max_loras,
         enable_prefix_caching=enable_prefix_caching,
     )
-    return Scheduler(config, BlockManager(num_blocks, BS, enable_prefix_caching))
+    # A clock standing still at 0: the arrival times below (seconds) never age.
+    return Scheduler(
+        config, BlockManager(num_blocks, BS, enable_prefix_caching), clock=lambda: 0.0
+    )
 
 
 def step(s: Scheduler) -> SchedulerOutput:

@@ -26,7 +26,7 @@ from fastapi import FastAPI
 from app.core.config import Settings
 from app.main import create_app
 from engine.client import AdapterInfo, AdapterPlacement, EngineStats
-from engine.request import RequestOutput, SamplingParams, TokenLogprob
+from engine.request import RequestOutput, SamplingParams, TenantContext, TokenLogprob
 
 
 @dataclass(slots=True)
@@ -37,6 +37,7 @@ class SubmittedRequest:
     adapter_id: str | None
     salt: str | None
     priority: int
+    tenant: TenantContext | None = None
 
 
 def fake_logprob(token_id: int) -> float:
@@ -165,12 +166,13 @@ class FakeEngine:
         adapter_id: str | None = None,
         salt: str | None = None,
         priority: int = 0,
+        tenant: TenantContext | None = None,
     ) -> AsyncIterator[RequestOutput]:
         if not prompt_token_ids:
             raise ValueError("prompt must contain at least one token")
         self.submitted.append(
             SubmittedRequest(request_id, list(prompt_token_ids), sampling, adapter_id, salt,
-                             priority)
+                             priority, tenant)
         )
         if self.fail_with is not None:
             raise self.fail_with

@@ -48,6 +48,15 @@ class WorkerView(BaseModel):
     prefix_cache_hit_rate: float | None
     adapter_cache: AdapterCacheView | None
     adapters: list[EngineAdapterView]
+    # Workers of a gateway (None for the in-process engine):
+    url: str | None = None
+    device: str | None = None
+    mig_profile: str | None = None
+    gpu_uuid: str | None = None
+    dedicated_tenants: list[str] = []
+    in_rotation: bool | None = None  # False: left out after a failed call, or draining
+    inflight: int | None = None  # this gateway's requests on it
+    seconds_since_heartbeat: float | None = None
 
 
 class EngineView(BaseModel):

@@ -1,0 +1,271 @@
+"""`loraplex bench fairness`: a noisy neighbour through the HTTP API, with and without fairness.
+
+One `loraplex serve` per scheduling mode (`--fairness vtc`, then `fcfs`), with API keys:
+tenants and their keys are created through the admin API, so the server knows each request's
+tenant from its key, as in production. In each scenario a "flood" tenant sends many long
+prompts at once and a "probe" tenant sends a few short requests meanwhile, spaced in time;
+the figure is the probe's median TTFT against the flood's. Scenarios:
+
+- tenants: two standard-tier tenants; with VTC the probe is served as soon as its tenant's
+  counter is the smallest, with fcfs it queues behind the flood;
+- tiers: a batch-tier tenant floods, a premium-tier tenant probes; priorities hold in both
+  modes (fcfs keeps priorities, it only drops the counters).
+
+Every request streams (`POST /v1/completions`, greedy, `ignore_eos`), so each does the same
+work on every run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import secrets
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+
+from bench.server import free_port
+from bench.throughput import machine_description, print_row
+from bench.workload import (
+    BenchRequest,
+    RequestTiming,
+    _one_stream,
+    make_requests,
+    median,
+    percentile,
+)
+from engine.config import default_data_dir
+from engine.model_loader import load_model_config, resolve_model
+
+# scenario -> (flood tenant's tier, probe tenant's tier)
+SCENARIOS: dict[str, tuple[str, str]] = {
+    "tenants": ("standard", "standard"),
+    "tiers": ("batch", "premium"),
+}
+MODES = ("vtc", "fcfs")
+# Settings the server must not inherit from the shell: the benchmark brings its own SQLite
+# database (in a temporary data directory) and per-process quotas.
+_ENV_DROP = ("DATABASE_URL", "REDIS_URL", "LORAPLEX_NO_AUTH", "LORAPLEX_DATA_DIR")
+
+
+@dataclass(slots=True)
+class FairnessOptions:
+    model: str = "default"
+    scenarios: tuple[str, ...] = ("tenants", "tiers")
+    modes: tuple[str, ...] = MODES
+    flood_requests: int = 24
+    flood_prompt_len: tuple[int, int] = (400, 800)
+    flood_output_len: tuple[int, int] = (32, 32)
+    probe_requests: int = 6
+    probe_prompt_len: tuple[int, int] = (20, 60)
+    probe_output_len: tuple[int, int] = (16, 16)
+    probe_start_s: float = 2.0  # after the flood was sent
+    probe_interval_s: float = 2.0
+    seed: int = 0
+    # NOTE: a probe waits at least for the step in progress and then its own: on two CPU
+    # cores a 2,048-token step takes ~3 s, so steps of 512 tokens keep that floor near 1 s.
+    serve_args: list[str] = field(default_factory=lambda: ["--max-num-batched-tokens", "512"])
+    output: Path | None = None
+
+
+@dataclass(slots=True)
+class ScenarioResult:
+    scenario: str
+    mode: str
+    flood_ttft_s: list[float]
+    probe_ttft_s: list[float]
+    wall_s: float
+
+    def summary(self) -> dict[str, object]:
+        flood, probe = sorted(self.flood_ttft_s), sorted(self.probe_ttft_s)
+        flood_p50, probe_p50 = median(flood), median(probe)
+        return {
+            "scenario": self.scenario,
+            "fairness": self.mode,
+            "flood_ttft_p50_s": round(flood_p50, 3),
+            "flood_ttft_p90_s": round(percentile(flood, 90), 3),
+            "probe_ttft_p50_s": round(probe_p50, 3),
+            "probe_ttft_max_s": round(probe[-1], 3),
+            "probe_over_flood_p50": round(probe_p50 / flood_p50, 3),
+            "wall_s": round(self.wall_s, 2),
+        }
+
+
+def run_fairness(opts: FairnessOptions) -> dict[str, object]:
+    unknown = set(opts.scenarios) - SCENARIOS.keys() | set(opts.modes) - set(MODES)
+    if unknown:
+        raise ValueError(f"unknown scenarios or modes: {sorted(unknown)}")
+    vocab = load_model_config(resolve_model(opts.model, default_data_dir())).vocab_size
+    flood = make_requests(
+        opts.flood_requests, vocab_size=vocab, prompt_len=opts.flood_prompt_len,
+        output_len=opts.flood_output_len, seed=opts.seed,
+    )
+    probe = make_requests(
+        opts.probe_requests, vocab_size=vocab, prompt_len=opts.probe_prompt_len,
+        output_len=opts.probe_output_len, seed=opts.seed + 1,
+    )
+    options = asdict(opts)
+    options["output"] = None if opts.output is None else str(opts.output)
+    report: dict[str, object] = {
+        "benchmark": "fairness",
+        "machine": machine_description(),
+        "options": options,
+        "workload": {
+            "flood_prompt_tokens": sum(len(r.prompt_token_ids) for r in flood),
+            "probe_prompt_tokens": sum(len(r.prompt_token_ids) for r in probe),
+        },
+        "started_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+    results: list[dict[str, object]] = []
+    for mode in opts.modes:
+        serve_args = ["--model", opts.model, "--fairness", mode, *opts.serve_args]
+        with authenticated_server(serve_args) as (base_url, admin_key):
+            for scenario in opts.scenarios:
+                flood_tier, probe_tier = SCENARIOS[scenario]
+                flood_key = tenant_key(base_url, admin_key, f"{scenario}-flood", flood_tier)
+                probe_key = tenant_key(base_url, admin_key, f"{scenario}-probe", probe_tier)
+                result = asyncio.run(
+                    run_scenario(
+                        base_url, scenario, mode, flood_key, probe_key, flood, probe, opts
+                    )
+                )
+                results.append(result.summary())
+                print_row(f"{scenario} {mode}", results[-1])
+    report["results"] = results
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    output = opts.output or Path("bench/results") / f"fairness-{stamp}.json"
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(report, indent=2))
+    print(f"report: {output}", flush=True)
+    return report
+
+
+async def run_scenario(
+    base_url: str,
+    scenario: str,
+    mode: str,
+    flood_key: str,
+    probe_key: str,
+    flood: list[BenchRequest],
+    probe: list[BenchRequest],
+    opts: FairnessOptions,
+) -> ScenarioResult:
+    """The flood all at once, then the probes at their times; every request streams."""
+    limits = httpx.Limits(max_connections=len(flood) + len(probe) + 4)
+
+    def client(key: str) -> httpx.AsyncClient:
+        return httpx.AsyncClient(
+            base_url=base_url, timeout=3600, limits=limits, headers=_bearer(key)
+        )
+
+    async with client(flood_key) as flood_client, client(probe_key) as probe_client:
+        model = await _model_name(flood_client)
+        warm = BenchRequest(prompt_token_ids=flood[0].prompt_token_ids[:16], max_tokens=2)
+        await _one_stream(flood_client, model, warm)
+        start = time.perf_counter()
+        flood_tasks = [asyncio.create_task(_one_stream(flood_client, model, r)) for r in flood]
+        probe_tasks: list[asyncio.Task[RequestTiming]] = []
+        for index, request in enumerate(probe):
+            due = start + opts.probe_start_s + index * opts.probe_interval_s
+            await asyncio.sleep(max(0.0, due - time.perf_counter()))
+            probe_tasks.append(asyncio.create_task(_one_stream(probe_client, model, request)))
+        flood_timings = await asyncio.gather(*flood_tasks)
+        probe_timings = await asyncio.gather(*probe_tasks)
+        wall = time.perf_counter() - start
+    return ScenarioResult(
+        scenario=scenario,
+        mode=mode,
+        flood_ttft_s=[t.ttft_s for t in flood_timings],
+        probe_ttft_s=[t.ttft_s for t in probe_timings],
+        wall_s=wall,
+    )
+
+
+@contextlib.contextmanager
+def authenticated_server(
+    serve_args: list[str], *, timeout_s: float = 300.0
+) -> Iterator[tuple[str, str]]:
+    """Yield (base URL, admin key) of a `loraplex serve` with API keys, on a fresh SQLite
+    database in a temporary data directory."""
+    admin_key = f"bench-admin-{secrets.token_hex(16)}"
+    with tempfile.TemporaryDirectory(prefix="loraplex-fairness-") as data_dir:
+        env = {k: v for k, v in os.environ.items() if k.upper() not in _ENV_DROP}
+        env.update(
+            LORAPLEX_ADMIN_KEY=admin_key,
+            LORAPLEX_SECRET_KEY=secrets.token_hex(32),
+            LORAPLEX_DATA_DIR=data_dir,
+        )
+        # The model stays where the checkout keeps it: no second conversion per run.
+        model_args = _model_dir_args(serve_args)
+        port = free_port()
+        # As the `loraplex` script starts it (app.cli imported, not run as __main__).
+        launcher = "from app.cli import main; main()"
+        cmd = [sys.executable, "-c", launcher, "serve", "--port", str(port), *model_args]
+        log_path = Path(data_dir) / "serve.log"  # one access-log line per request: not here
+        log = log_path.open("wb")
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+        base_url = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + timeout_s
+            while True:
+                if proc.poll() is not None:
+                    tail = log_path.read_text(errors="replace")[-4000:]
+                    raise RuntimeError(
+                        f"server exited with {proc.returncode}: {' '.join(cmd)}\n{tail}"
+                    )
+                with contextlib.suppress(httpx.HTTPError):
+                    if httpx.get(f"{base_url}/ready", timeout=2).status_code == 200:
+                        break
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"server not ready after {timeout_s:.0f}s")
+                time.sleep(0.5)
+            yield base_url, admin_key
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            log.close()
+
+
+def tenant_key(base_url: str, admin_key: str, name: str, tier: str) -> str:
+    """Create a tenant (no quotas) and an API key for it through the admin API."""
+    with httpx.Client(base_url=base_url, headers=_bearer(admin_key), timeout=30) as admin:
+        response = admin.post(
+            "/admin/tenants", json={"name": name, "tier": tier, "isolation": "shared"}
+        )
+        response.raise_for_status()
+        tenant_id = response.json()["id"]
+        response = admin.post(f"/admin/tenants/{tenant_id}/keys", json={"name": "bench"})
+        response.raise_for_status()
+        return str(response.json()["key"])
+
+
+def _model_dir_args(serve_args: list[str]) -> list[str]:
+    """`--model default` names the bundled model under the data directory; the server runs
+    with a temporary one, so it gets the converted directory itself."""
+    args = list(serve_args)
+    for index, arg in enumerate(args[:-1]):
+        if arg == "--model" and args[index + 1] == "default":
+            args[index + 1] = str(resolve_model("default", default_data_dir()))
+    return args
+
+
+async def _model_name(client: httpx.AsyncClient) -> str:
+    response = await client.get("/v1/models")
+    response.raise_for_status()
+    return str(response.json()["data"][0]["id"])
+
+
+def _bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}

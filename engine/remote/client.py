@@ -1,0 +1,371 @@
+"""RemoteEngine: the EngineClient of a gateway, serving each request on a worker.
+
+Workers are found through their Redis heartbeats (re-read every `refresh_interval_s`).
+Everything the API asks synchronously (stats, adapters, readiness, limits) is answered
+from this process's state and the last heartbeats, never by I/O on the event loop.
+
+Adapters: `add_adapter` validates on one worker (the engine's own validation) and
+remembers the adapter's path; any other worker gets it registered the first time a
+request for it is routed there. Failures: a request that has not yet streamed an output
+is retried on another worker (at most `max_attempts` in all); one that has ends with
+`WorkerLost`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from engine.client import AdapterInfo, AdapterPlacement, EngineStats, RequestRejected
+from engine.remote.adapters import RemoteAdapters
+from engine.remote.calls import AdapterMissing, WorkerFailed, post, stream_generate
+from engine.remote.heartbeat import read_heartbeats
+from engine.remote.protocol import (
+    ABORT_PATH,
+    GenerateRequest,
+    NoWorkerAvailable,
+    SamplingWire,
+    TenantWire,
+    WorkerLost,
+)
+from engine.remote.routing import LoadBound, RouteQuery, choose_worker
+from engine.remote.tokenizer import Tokenizing
+from engine.remote.workers import KnownWorker, WorkerPool, WorkerReport
+from engine.request import RequestOutput, SamplingParams, TenantContext
+
+log = logging.getLogger("loraplex.gateway")
+
+# A route chosen at admission whose request never started (client gone) is dropped after.
+_PIN_TTL_S = 60.0
+
+
+@dataclass(slots=True)
+class Route:
+    """The worker chosen for one API request's engine requests (all its choices); a
+    retry moves it, so after the request `worker_id` names where it ran."""
+
+    worker_id: str
+    query: RouteQuery
+    created: float
+
+
+class RemoteEngine:
+    def __init__(
+        self,
+        *,
+        redis: aioredis.Redis,
+        tokenizer: Tokenizing,
+        model_id: str,
+        max_model_len: int,
+        max_adapter_bytes: int,
+        data_dir: Path,
+        token: str | None,
+        refresh_interval_s: float = 0.5,
+        max_attempts: int = 3,
+        connect_timeout_s: float = 2.0,
+        stream_idle_timeout_s: float = 20.0,
+        load_bound: LoadBound | None = None,
+    ) -> None:
+        """max_model_len / max_adapter_bytes: what to answer until workers report theirs.
+        stream_idle_timeout_s: a stream silent this long (workers send keepalives) is
+        treated as a lost worker."""
+        self._redis = redis
+        self._tokenizer = tokenizer
+        self._model_id = model_id
+        self._default_max_model_len = max_model_len
+        self._default_max_adapter_bytes = max_adapter_bytes
+        self.refresh_interval_s = refresh_interval_s
+        self.max_attempts = max_attempts
+        self.load_bound = load_bound or LoadBound()
+        self.pool = WorkerPool(model_id)
+        headers = {"content-type": "application/json"}
+        if token:
+            headers["authorization"] = f"Bearer {token}"
+        self._http = httpx.AsyncClient(
+            headers=headers,
+            timeout=httpx.Timeout(stream_idle_timeout_s, connect=connect_timeout_s),
+            # One connection per stream: no pool limit beyond the OS's.
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+        )
+        self.adapters = RemoteAdapters(
+            self._http, self.pool, data_dir, max_attempts=max_attempts
+        )
+        self._pins: dict[str, Route] = {}  # engine request id -> its route
+        self._running: dict[str, str] = {}  # engine request id -> worker id
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._refresh_task: asyncio.Task[None] | None = None
+        self._started = False
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Read the heartbeats once, then every refresh interval (on this event loop)."""
+        try:
+            await self.refresh()
+        except (RedisError, OSError):
+            log.warning("cannot read worker heartbeats from Redis yet", exc_info=True)
+        self._refresh_task = asyncio.create_task(self._refresh_loop(), name="worker-refresh")
+        self._started = True
+
+    async def refresh(self) -> None:
+        self.pool.update(await read_heartbeats(self._redis))
+        now = time.monotonic()
+        for request_id in [r for r, p in self._pins.items() if now - p.created > _PIN_TTL_S]:
+            del self._pins[request_id]
+
+    async def _refresh_loop(self) -> None:
+        failing = False
+        while True:
+            await asyncio.sleep(self.refresh_interval_s)
+            try:
+                await self.refresh()
+            except (RedisError, OSError):
+                # NOTE: keep the last view: workers that fail a call leave rotation anyway.
+                log.warning("reading worker heartbeats failed", exc_info=not failing)
+                failing = True
+            else:
+                failing = False
+
+    async def shutdown(self) -> None:
+        self._started = False
+        task, self._refresh_task = self._refresh_task, None
+        tasks = [t for t in [task, *self._tasks] if t is not None]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await self._http.aclose()
+        await self._redis.aclose()
+
+    # -- what the API asks synchronously -------------------------------------------------
+
+    @property
+    def model_id(self) -> str:
+        return self._model_id
+
+    @property
+    def max_model_len(self) -> int:
+        # NOTE: the smallest of the workers': any of them may get the request.
+        lens = [w.beat.max_model_len for w in self.pool.in_rotation()]
+        return min(lens) if lens else self._default_max_model_len
+
+    def encode(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
+        return self._tokenizer.apply_chat_template(messages)
+
+    def token_text(self, token_id: int) -> str:
+        return self._tokenizer.token_text(token_id)
+
+    def is_ready(self) -> bool:
+        return self._started and bool(self.pool.in_rotation())
+
+    def stats(self) -> EngineStats:
+        """The sum over the workers in rotation."""
+        beats = [w.beat.stats for w in self.pool.in_rotation()]
+        total = sum(s.num_total_blocks for s in beats)
+        free = sum(s.num_free_blocks for s in beats)
+        return EngineStats(
+            num_running=sum(s.num_running for s in beats),
+            num_waiting=sum(s.num_waiting for s in beats),
+            num_free_blocks=free,
+            num_total_blocks=total,
+            kv_usage=(total - free) / total if total else 0.0,
+            num_preemptions=sum(s.num_preemptions for s in beats),
+            prefix_cache_hits=sum(s.prefix_cache_hits for s in beats),
+            prefix_cache_queries=sum(s.prefix_cache_queries for s in beats),
+            num_adapters=len(self.list_adapters()),
+        )
+
+    def get_adapter(self, name: str) -> AdapterInfo | None:
+        return self.adapters.get(name)
+
+    def list_adapters(self) -> list[AdapterInfo]:
+        return self.adapters.infos()
+
+    def max_adapter_bytes(self) -> int:
+        sizes = [w.beat.max_adapter_bytes for w in self.pool.in_rotation()]
+        return max(sizes) if sizes else self._default_max_adapter_bytes
+
+    def adapter_residency(self) -> list[AdapterPlacement]:
+        """Merged over the workers: a slot if any worker has one, counts summed."""
+        merged: dict[str, AdapterPlacement] = {}
+        for worker in self.pool.in_rotation():
+            for p in worker.beat.residency:
+                old = merged.get(p.name)
+                place = p.to_placement()
+                if old is not None:
+                    place = AdapterPlacement(
+                        name=p.name,
+                        slot=old.slot if old.slot is not None else place.slot,
+                        on_host=old.on_host or place.on_host,
+                        loading=old.loading or place.loading,
+                        pins=old.pins + place.pins,
+                        reservations=old.reservations + place.reservations,
+                    )
+                merged[p.name] = place
+        return [merged[name] for name in sorted(merged)]
+
+    def workers(self) -> list[WorkerReport]:
+        """Every worker with a live heartbeat, in rotation or not, by id."""
+        return self.pool.reports()
+
+    # -- routing -------------------------------------------------------------------------
+
+    def route(
+        self,
+        request_ids: Sequence[str],
+        *,
+        adapter_id: str | None,
+        tenant_id: str | None,
+        dedicated: bool,
+        tenant_name: str | None = None,
+    ) -> Route:
+        """Choose the worker for an API request before its response starts (so that the
+        response can name it); `generate` of these request ids then starts there.
+        Raises NoWorkerAvailable."""
+        query = RouteQuery(adapter=adapter_id, tenant_id=tenant_id, tenant_name=tenant_name,
+                           dedicated=dedicated)
+        worker_id = choose_worker(self.pool.candidates(), query, bound=self.load_bound)
+        if worker_id is None:
+            raise NoWorkerAvailable(_no_worker_reason(query))
+        route = Route(worker_id=worker_id, query=query, created=time.monotonic())
+        for request_id in request_ids:
+            self._pins[request_id] = route
+        return route
+
+    def release(self, request_ids: Sequence[str]) -> None:
+        """Forget the routes of requests that will not run."""
+        for request_id in request_ids:
+            self._pins.pop(request_id, None)
+
+    def _pick(
+        self, query: RouteQuery, tried: set[str], preferred: str | None
+    ) -> KnownWorker | None:
+        if preferred is not None:
+            known = self.pool.get(preferred)
+            if known is not None and known.in_rotation:
+                return known
+        worker_id = choose_worker(
+            self.pool.candidates(), query, exclude=frozenset(tried), bound=self.load_bound
+        )
+        return None if worker_id is None else self.pool.get(worker_id)
+
+    # -- generation ----------------------------------------------------------------------
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        *,
+        adapter_id: str | None = None,
+        salt: str | None = None,
+        priority: int = 0,
+        tenant: TenantContext | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        route = self._pins.pop(request_id, None)
+        if route is not None:
+            query = route.query
+        else:
+            tenant_id = None if tenant is None else tenant.tenant_id
+            query = RouteQuery(adapter=adapter_id, tenant_id=tenant_id)
+        body = GenerateRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt_token_ids,
+            sampling=SamplingWire.of(sampling),
+            adapter_id=adapter_id,
+            salt=salt,
+            priority=priority,
+            tenant=None if tenant is None else TenantWire.of(tenant),
+        ).model_dump_json().encode()
+        tried: set[str] = set()
+        preferred = None if route is None else route.worker_id
+        reasons: list[str] = []
+        reregister = False
+        for _ in range(self.max_attempts):
+            worker = self._pick(query, tried, preferred)
+            if worker is None:
+                break
+            preferred = None
+            if route is not None:
+                route.worker_id = worker.worker_id
+            started = False
+            self.pool.inflight[worker.worker_id] += 1
+            self._running[request_id] = worker.worker_id
+            try:
+                if adapter_id is not None:
+                    await self.adapters.ensure_on(worker, adapter_id, force=reregister)
+                reregister = False
+                outputs = stream_generate(self._http, worker, body)
+                async with contextlib.aclosing(outputs):
+                    async for output in outputs:
+                        started = True
+                        yield output
+                return
+            except AdapterMissing as exc:
+                if adapter_id is None or not self.adapters.knows(adapter_id):
+                    raise RequestRejected(str(exc), code="model_not_found", param="model") from None
+                # The heartbeat said it had it (a restart, a removal since): register it
+                # there again, then run there.
+                reregister, preferred = True, worker.worker_id
+                reasons.append(f"{worker.worker_id}: adapter not registered")
+            except WorkerFailed as exc:
+                if exc.suspend:
+                    self.pool.suspend(worker.worker_id, str(exc))
+                if started:
+                    raise WorkerLost(
+                        f"worker {worker.worker_id} failed while streaming: {exc}"
+                    ) from exc
+                tried.add(worker.worker_id)
+                reasons.append(f"{worker.worker_id}: {exc}")
+            finally:
+                self.pool.inflight[worker.worker_id] -= 1
+                if self.pool.inflight[worker.worker_id] <= 0:
+                    del self.pool.inflight[worker.worker_id]
+                self._running.pop(request_id, None)
+        detail = "; ".join(reasons) if reasons else _no_worker_reason(query)
+        raise NoWorkerAvailable(f"no worker could take the request ({detail})")
+
+    def abort(self, request_id: str) -> None:
+        worker_id = self._running.get(request_id)
+        known = None if worker_id is None else self.pool.get(worker_id)
+        if known is not None:
+            self._spawn(post(self._http, known, ABORT_PATH, {"request_id": request_id}))
+
+    # -- adapters ------------------------------------------------------------------------
+
+    async def add_adapter(self, name: str, path: str) -> AdapterInfo:
+        return await self.adapters.add(name, path)
+
+    async def remove_adapter(self, name: str) -> bool:
+        return await self.adapters.remove(name)
+
+    # -- internals -----------------------------------------------------------------------
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            # Best effort: a worker that cannot be told to abort has dropped the stream.
+            log.debug("background call to a worker failed: %s", task.exception())
+
+
+def _no_worker_reason(query: RouteQuery) -> str:
+    if query.dedicated:
+        return "no worker serving this tenant is in rotation"
+    return "no worker is in rotation"

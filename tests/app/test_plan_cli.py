@@ -1,0 +1,158 @@
+"""`loraplex plan` end to end through click: JSON parsed back, the table, and bad inputs."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from app.plan_cli import plan
+
+FIXTURES = Path(__file__).parents[1] / "fixtures" / "placement"
+SMOLLM2 = str(FIXTURES / "models" / "smollm2-135m")
+WORKER_KEYS = {
+    "node", "gpu", "mig_profile", "memory_gb", "isolation", "tenants", "max_loras",
+    "max_num_seqs", "kv_cache_tokens", "env", "resources", "args", "setup", "memory",
+}
+
+
+def run(*args: str) -> tuple[int, str]:
+    result = CliRunner().invoke(plan, list(args))
+    return result.exit_code, result.output
+
+
+def test_json_plan_for_the_example() -> None:
+    code, out = run("--topology", str(FIXTURES / "issue_example.yaml"),
+                    "--tenants", str(FIXTURES / "tenants_example.yaml"),
+                    "--model", SMOLLM2, "--format", "json")
+    assert code == 0, out
+    data = json.loads(out)
+    assert set(data) == {"workers", "unplaced"}
+    assert data["unplaced"] == []
+    workers = data["workers"]
+    assert all(set(w) == WORKER_KEYS for w in workers)
+    dedicated = [w for w in workers if w["isolation"] == "dedicated"]
+    assert [(w["node"], w["gpu"], w["mig_profile"], w["tenants"]) for w in dedicated] == [
+        ("node-a", 1, "1g.10gb", ["acme"])
+    ]
+    acme = dedicated[0]
+    assert acme["resources"] == {"nvidia.com/mig-1g.10gb": 1}
+    assert acme["env"]["CUDA_VISIBLE_DEVICES"].startswith("MIG-<uuid of new 1g.10gb")
+    assert acme["max_loras"] == 8 and acme["memory_gb"] == 9.5
+    assert acme["memory"]["total_gb"] <= acme["memory_gb"]
+    shared = [w for w in workers if w["isolation"] == "shared"]
+    assert len(shared) == 7 and all(w["tenants"] == ["small-co"] for w in shared)
+    whole = [w for w in workers if w["mig_profile"] is None]
+    assert [(w["gpu"], w["env"], w["resources"]) for w in whole] == [
+        (2, {"CUDA_VISIBLE_DEVICES": "2"}, {"nvidia.com/gpu": 1})
+    ]
+
+
+def test_flags_reach_the_workers() -> None:
+    code, out = run("--topology", str(FIXTURES / "a100_80gb_7x1g.yaml"),
+                    "--tenants", str(FIXTURES / "tenants_mixed.yaml"), "--model", SMOLLM2,
+                    "--dtype", "float32", "--max-loras", "4", "--max-lora-rank", "16")
+    assert code == 0, out
+    first = json.loads(out)["workers"][0]
+    assert first["max_loras"] == 4
+    assert first["args"][:8] == ["--model", SMOLLM2, "--dtype", "float32", "--max-loras", "4",
+                                 "--max-lora-rank", "16"]
+    assert first["args"][-1] == str(first["kv_cache_tokens"])
+
+
+def test_table_format() -> None:
+    code, out = run("--topology", str(FIXTURES / "issue_example.yaml"),
+                    "--tenants", str(FIXTURES / "tenants_example.yaml"),
+                    "--model", SMOLLM2, "--format", "table")
+    assert code == 0, out
+    lines = out.splitlines()
+    assert lines[0].split() == ["NODE", "GPU", "PROFILE", "GiB", "ISOLATION", "TENANTS",
+                                "LORAS", "KV", "TOKENS", "CUDA_VISIBLE_DEVICES", "RESOURCE"]
+    assert lines[5].split()[:6] == ["node-a", "1", "1g.10gb", "9.50", "dedicated", "acme"]
+    assert lines[5].split()[-1] == "nvidia.com/mig-1g.10gb=1"
+    assert "setup:" in lines
+    assert "  look up the instance's UUID with nvidia-smi -L on node-a" in lines
+
+
+def test_unplaced_tenants_in_both_formats(tmp_path: Path) -> None:
+    tenants = tmp_path / "tenants.yaml"
+    tenants.write_text("tenants:\n  - {name: long, isolation: shared, context: 100000}\n")
+    args = ["--topology", str(FIXTURES / "no_mig.yaml"), "--tenants", str(tenants),
+            "--model", SMOLLM2]
+    code, out = run(*args)
+    assert code == 0
+    assert json.loads(out) == {"workers": [], "unplaced": [
+        {"tenant": "long", "reason": "context 100000 exceeds the model's max_model_len 8192"}
+    ]}
+    code, out = run(*args, "--format", "table")
+    assert out.splitlines()[1:] == [
+        "(no workers)", "", "unplaced:",
+        "  long: context 100000 exceeds the model's max_model_len 8192",
+    ]
+
+
+def test_default_model_reads_the_converted_config(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cache = tmp_path / "models" / "SmolLM2-135M-Instruct"
+    cache.mkdir(parents=True)
+    shutil.copy(Path(SMOLLM2) / "config.json", cache / "config.json")
+    monkeypatch.setenv("LORAPLEX_DATA_DIR", str(tmp_path))
+    base = ["--topology", str(FIXTURES / "h200_mixed.yaml"),
+            "--tenants", str(FIXTURES / "tenants_mixed.yaml")]
+    code, default_out = run(*base)
+    assert code == 0, default_out
+    code, path_out = run(*base, "--model", SMOLLM2)
+    strip = [{**w, "args": w["args"][2:]} for w in json.loads(path_out)["workers"]]
+    assert [{**w, "args": w["args"][2:]} for w in json.loads(default_out)["workers"]] == strip
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--topology", "{fixtures}/missing.yaml"], "cannot read"),
+        (["--topology", "{bad_topology}"], "H200-141GB has no MIG profile '1g.10gb'"),
+        (["--tenants", "{bad_tenants}"], "isolation must be one of dedicated, shared"),
+        (["--model", "{fixtures}/no-such-model"], "does not exist"),
+        (["--model", "{fixtures}"], "has no config.json"),
+    ],
+)
+def test_bad_inputs_exit_2(tmp_path: Path, args: list[str], message: str) -> None:
+    bad_topology = tmp_path / "topo.yaml"
+    bad_topology.write_text("nodes:\n  - {name: n, gpus: [{index: 0, model: H200, "
+                            "mig: [1g.10gb]}]}\n")
+    bad_tenants = tmp_path / "tenants.yaml"
+    bad_tenants.write_text("tenants:\n  - {name: a, isolation: exclusive}\n")
+    values = {"fixtures": str(FIXTURES), "bad_topology": str(bad_topology),
+              "bad_tenants": str(bad_tenants)}
+    given = dict(zip(args[::2], (a.format(**values) for a in args[1::2]), strict=True))
+    options = {"--topology": str(FIXTURES / "h200_mixed.yaml"),
+               "--tenants": str(FIXTURES / "tenants_mixed.yaml"), "--model": SMOLLM2, **given}
+    code, out = run(*(x for pair in options.items() for x in pair))
+    assert code == 2
+    assert out.startswith("Error: ") and message in out
+
+
+def test_without_topology_nvml_is_asked() -> None:
+    code, out = run("--tenants", str(FIXTURES / "tenants_mixed.yaml"), "--model", SMOLLM2)
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        pynvml.nvmlShutdown()
+    except Exception:
+        # No GPUs here: the error says to pass a topology file.
+        assert code == 2 and "pass --topology FILE" in out
+    else:
+        assert code == 0, out
+
+
+def test_registered_on_the_main_command() -> None:
+    from app.cli import main
+
+    result = CliRunner().invoke(main, ["plan", "--help"])
+    assert result.exit_code == 0
+    assert "--topology" in result.output and "--max-lora-rank" in result.output

@@ -1,0 +1,128 @@
+"""The placement memory model against the engine's own allocations and HF's parameter counts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from engine.attention import allocate_kv_cache
+from engine.lora.layers import LoRAGroup
+from engine.model_loader import load_model_config, parse_model_config
+from engine.placement.memory import (
+    CUDA_CONTEXT_BYTES,
+    GIB,
+    MemoryModel,
+    WorkerShape,
+    adapter_slot_bytes,
+    count_parameters,
+    kv_bytes_per_token,
+)
+from tests.utils.tiny_models import BASE_SETTINGS, VARIANTS
+
+MODELS = Path(__file__).parents[1] / "fixtures" / "placement" / "models"
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_parameter_count_matches_transformers(variant: str) -> None:
+    model_type, overrides = VARIANTS[variant]
+    settings = {**BASE_SETTINGS, **overrides, "vocab_size": 512}
+    hf_config = AutoConfig.for_model(model_type, **settings)
+    hf_model = AutoModelForCausalLM.from_config(hf_config)
+    expected = sum(p.numel() for p in hf_model.parameters())  # tied weights counted once
+    cfg = parse_model_config(hf_config.to_dict())
+    assert count_parameters(cfg) == expected
+
+
+def test_parameter_count_of_known_models() -> None:
+    smollm2 = load_model_config(MODELS / "smollm2-135m")
+    llama3 = load_model_config(MODELS / "llama-3-8b")
+    assert count_parameters(smollm2) == 134_515_008
+    assert count_parameters(llama3) == 8_030_261_248
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_kv_bytes_per_token_match_the_engine_cache(dtype: str) -> None:
+    cfg = load_model_config(MODELS / "smollm2-135m")
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    num_blocks, block_size = 2, 16
+    caches = allocate_kv_cache(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads,
+                               cfg.head_dim, torch_dtype, torch.device("meta"))
+    total = sum(t.numel() * t.element_size() for c in caches for t in (c.key, c.value))
+    assert kv_bytes_per_token(cfg, dtype) == total // (num_blocks * block_size)
+    assert kv_bytes_per_token(cfg, "bfloat16") == 2 * 30 * 3 * 64 * 2
+
+
+def test_adapter_slots_match_the_engine_buffers() -> None:
+    """The stacked slot buffers the CUDA path allocates, built on the meta device."""
+    cfg = load_model_config(MODELS / "llama-3-8b")
+    slots, rank = 4, 32
+    groups = {  # as LlamaForCausalLM.enable_lora builds them
+        "qkv": (cfg.hidden_size, (cfg.q_size, cfg.kv_size, cfg.kv_size)),
+        "o": (cfg.q_size, (cfg.hidden_size,)),
+        "gate_up": (cfg.hidden_size, (cfg.intermediate_size, cfg.intermediate_size)),
+        "down": (cfg.intermediate_size, (cfg.hidden_size,)),
+    }
+    per_layer = 0
+    for fin, sizes in groups.values():
+        group = LoRAGroup(slots, rank, fin, sizes, device=torch.device("meta"),
+                          dtype=torch.bfloat16, use_kernels=True)
+        per_layer += (group.lora_a.numel() + group.lora_b.numel()) * 2
+    assert adapter_slot_bytes(cfg, slots, rank, "bfloat16") == per_layer * cfg.num_layers
+
+
+@pytest.mark.parametrize("device_gib", [4.75, 9.5, 16.0, 39.25, 79.19])
+def test_kv_cache_tokens_is_the_most_that_fits(device_gib: float) -> None:
+    cfg = load_model_config(MODELS / "llama-3-8b")
+    model = MemoryModel(cfg, WorkerShape())
+    device = int(device_gib * GIB)
+    tokens = model.kv_cache_tokens(device)
+    if device_gib < 20:  # 8B weights (14.96 GiB) + 2.5 GiB of adapter slots + the rest
+        assert tokens == 0
+        return
+    assert tokens % 16 == 0
+    assert model.breakdown(tokens).total <= device < model.breakdown(tokens + 16).total
+
+
+def test_breakdown_parts() -> None:
+    cfg = load_model_config(MODELS / "llama-3-8b")
+    model = MemoryModel(cfg, WorkerShape(dtype="bfloat16", max_loras=8, max_lora_rank=64))
+    parts = model.breakdown(kv_cache_tokens=4096)
+    assert parts.weights == 8_030_261_248 * 2
+    assert parts.kv_cache == 4096 * 2 * 32 * 8 * 128 * 2
+    assert parts.adapters == 8 * 64 * 32 * 2 * (
+        (4096 + 4096) + 2 * (4096 + 1024) + (4096 + 4096) + 3 * (4096 + 14336)
+    )
+    assert parts.cuda_context == CUDA_CONTEXT_BYTES
+    assert parts.total == (parts.weights + parts.kv_cache + parts.adapters + parts.activations
+                           + parts.cuda_context)
+    assert parts.as_gib()["weights_gb"] == 14.96
+    per_token = (4 * 4096 + 2 * 4096 + 2 * 1024 + 3 * 14336) * 2 + 7 * 64 * 4
+    assert parts.activations == (
+        2 * 2048 * per_token  # layer intermediates of a full step, x2
+        + 3 * 64 * 128256 * 4  # float32 logits, probabilities, sorted copy
+        + 2048 * 8192  # prefill masks
+        + 4096 * 131072 // 32  # one layer's K/V gathered for decode
+    )
+    assert parts.describe() == (
+        "19.62 GiB (weights 14.96 + KV cache 0.50 for 4096 tokens + adapters 2.50 + "
+        "activations 0.66 + CUDA context 1.00)"
+    )
+    # More sequences per step need more logits memory; the rest does not change.
+    assert model.breakdown(4096, max_num_seqs=128).activations > parts.activations
+    assert model.kv_tokens_for(concurrency=3, context=100) == 3 * 112
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"dtype": "int8"}, "dtype must be one of"),
+        ({"max_loras": 0}, "max_loras must be >= 1"),
+        ({"block_size": 24}, "block_size must be a positive power of two"),
+    ],
+)
+def test_worker_shape_refuses_bad_settings(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        WorkerShape(**kwargs)

@@ -1,0 +1,371 @@
+"""RemoteEngine against real workers (the worker app around FakeEngines, over real HTTP
+behind TCP proxies that can cut or stall them) and real Redis heartbeats."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis.asyncio as aioredis
+
+from engine.client import RequestRejected
+from engine.remote.client import RemoteEngine
+from engine.remote.heartbeat import HeartbeatPublisher, make_identity, read_heartbeats
+from engine.remote.protocol import NoWorkerAvailable, WorkerLost
+from engine.remote.routing import rendezvous_order
+from engine.remote.worker_app import create_worker_app
+from engine.request import RequestOutput, SamplingParams, TenantContext
+from tests.utils.fake_engine import FakeEngine
+from tests.utils.live_server import serve_in_thread
+from tests.utils.tcp_proxy import TcpProxy
+
+TOKEN = "worker-token-0123456789abcdef"
+MODEL = "fake-model"
+INTERVAL_S = 0.1
+TTL_S = 0.4
+
+
+class StrictEngine(FakeEngine):
+    """FakeEngine that, like the real one, serves only the adapters registered on it."""
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, *,
+        adapter_id: str | None = None, **kwargs: Any,
+    ) -> AsyncIterator[RequestOutput]:
+        if adapter_id is not None and adapter_id not in self.adapters:
+            raise RequestRejected(f"The model `{adapter_id}` does not exist.",
+                                  code="model_not_found", param="model")
+        async for out in super().generate(request_id, prompt_token_ids, sampling,
+                                          adapter_id=adapter_id, **kwargs):
+            yield out
+
+
+@dataclass
+class Worker:
+    worker_id: str
+    engine: StrictEngine
+    proxy: TcpProxy
+    publisher: HeartbeatPublisher
+
+
+@dataclass
+class Cluster:
+    workers: dict[str, Worker]
+    data_dir: Path
+    redis_url: str
+    stack: contextlib.ExitStack
+
+    async def add_worker(
+        self, worker_id: str, *, token: str = TOKEN, dedicated: tuple[str, ...] = ()
+    ) -> Worker:
+        engine = StrictEngine(model_id=MODEL, max_model_len=4096, token_delay_s=0.01)
+        app = create_worker_app(engine, token=token, data_dir=self.data_dir, keepalive_s=0.1)
+        base = self.stack.enter_context(serve_in_thread(app))
+        port = int(base.rsplit(":", 1)[1])
+        proxy = self.stack.enter_context(TcpProxy("127.0.0.1", port))
+        identity = make_identity(worker_id=worker_id, url=f"http://127.0.0.1:{proxy.port}",
+                                 device="cpu", mig_profile=None, dedicated_tenants=dedicated)
+        publisher = HeartbeatPublisher(aioredis.Redis.from_url(self.redis_url), identity, engine,
+                                       interval_s=INTERVAL_S, ttl_s=TTL_S)
+        await publisher.start()
+        worker = Worker(worker_id, engine, proxy, publisher)
+        self.workers[worker_id] = worker
+        return worker
+
+
+def kill(worker: Worker) -> None:
+    """As kill -9 would: connections refused, heartbeats stop (the key expires)."""
+    worker.proxy.cut()
+    task = worker.publisher._task
+    assert task is not None
+    task.cancel()
+
+
+@pytest.fixture
+def adapter_dir(tmp_path: Path) -> Path:
+    path = tmp_path / "data" / "adapters" / ("c" * 64)
+    path.mkdir(parents=True)
+    return path
+
+
+@pytest.fixture
+async def cluster(redis_url: str, adapter_dir: Path) -> AsyncIterator[Cluster]:
+    with contextlib.ExitStack() as stack:
+        c = Cluster({}, adapter_dir.parents[1], redis_url, stack)
+        try:
+            yield c
+        finally:
+            for worker in c.workers.values():
+                await worker.publisher.stop()
+                await worker.publisher.redis.aclose()
+
+
+@contextlib.asynccontextmanager
+async def remote(cluster: Cluster, **options: object) -> AsyncIterator[RemoteEngine]:
+    engine = RemoteEngine(
+        redis=aioredis.Redis.from_url(cluster.redis_url),
+        tokenizer=FakeEngine(model_id=MODEL),
+        model_id=MODEL,
+        max_model_len=1024,
+        max_adapter_bytes=1 << 20,
+        data_dir=cluster.data_dir,
+        token=TOKEN,
+        refresh_interval_s=0.05,
+        **options,  # type: ignore[arg-type]
+    )
+    await engine.start()
+    try:
+        yield engine
+    finally:
+        await engine.shutdown()
+
+
+async def _wait_for(condition: Callable[[], bool], timeout: float = 5.0) -> float:
+    start = time.monotonic()
+    while not condition():
+        assert time.monotonic() - start < timeout, "condition never held"
+        await asyncio.sleep(0.02)
+    return time.monotonic() - start
+
+
+async def _run(engine: RemoteEngine, request_id: str, *, adapter: str | None = None,
+               max_tokens: int = 3) -> list[RequestOutput]:
+    outputs = []
+    async for out in engine.generate(request_id, list(b"hello"),
+                                     SamplingParams(max_tokens=max_tokens), adapter_id=adapter):
+        outputs.append(out)
+    return outputs
+
+
+def _registered(cluster: Cluster, name: str) -> set[str]:
+    return {w.worker_id for w in cluster.workers.values() if name in w.engine.adapters}
+
+
+async def test_an_adapter_sticks_to_one_worker_and_moves_when_it_dies(
+    cluster: Cluster, adapter_dir: Path
+) -> None:
+    for worker_id in ("w1", "w2", "w3"):
+        await cluster.add_worker(worker_id)
+    async with remote(cluster) as engine:
+        assert engine.is_ready() and len(engine.pool.in_rotation()) == 3
+        info = await engine.add_adapter("av/x", str(adapter_dir))
+        home = rendezvous_order("av/x", ["w1", "w2", "w3"])[0]
+        # Validated (and so registered) on its rendezvous worker only, with a relative
+        # path into the shared store.
+        assert _registered(cluster, "av/x") == {home}
+        assert info == cluster.workers[home].engine.adapters["av/x"]
+        assert info.path == str(adapter_dir.resolve())
+        assert engine.get_adapter("av/x") == info
+        for i in range(6):
+            route = engine.route([f"r{i}"], adapter_id="av/x", tenant_id="t", dedicated=False)
+            outputs = await _run(engine, f"r{i}", adapter="av/x")
+            assert "".join(o.new_text for o in outputs) == "hel"
+            assert route.worker_id == home
+        assert [s.request_id for s in cluster.workers[home].engine.submitted] == [
+            f"r{i}" for i in range(6)
+        ]
+        # Its worker dies: a request routed there before anyone noticed is retried on the
+        # adapter's next rendezvous worker, which registers it on the way.
+        kill(cluster.workers[home])
+        route = engine.route(["after"], adapter_id="av/x", tenant_id="t", dedicated=False)
+        assert route.worker_id == home
+        outputs = await _run(engine, "after", adapter="av/x")
+        assert outputs[-1].finished
+        second = rendezvous_order("av/x", ["w1", "w2", "w3"])[1]
+        assert route.worker_id == second
+        assert _registered(cluster, "av/x") == {home, second}
+        alive = sorted({"w1", "w2", "w3"} - {home})
+        assert [w.worker_id for w in engine.pool.in_rotation()] == alive
+        # Removal reaches every worker that has it.
+        assert await engine.remove_adapter("av/x") is True
+        assert _registered(cluster, "av/x") == {home}  # the dead one cannot be reached
+        assert engine.get_adapter("av/x") is None
+
+
+async def test_a_stream_cut_after_its_first_output_fails_without_retry(cluster: Cluster) -> None:
+    w1 = await cluster.add_worker("w1")
+    await cluster.add_worker("w2")
+    async with remote(cluster) as engine:
+        engine.route(["s"], adapter_id=None, tenant_id=None, dedicated=False)
+        stream = engine.generate("s", list(b"hello"), SamplingParams(max_tokens=500))
+        first = await stream.__anext__()
+        owner = next(w for w in cluster.workers.values() if "s" in w.engine.active)
+        assert first.num_output_tokens == 1
+        kill(owner)
+        started = time.monotonic()
+        with pytest.raises(WorkerLost, match=owner.worker_id):
+            async for _ in stream:
+                pass
+        assert time.monotonic() - started < 2
+        other = "w2" if owner is w1 else "w1"
+        assert cluster.workers[other].engine.submitted == []  # never repeated elsewhere
+        assert [w.worker_id for w in engine.pool.in_rotation()] == [other]
+
+
+async def test_a_stalled_worker_is_given_up_and_the_request_retried(cluster: Cluster) -> None:
+    w1 = await cluster.add_worker("w1")
+    w2 = await cluster.add_worker("w2")
+    async with remote(cluster, stream_idle_timeout_s=0.5) as engine:
+        w1.proxy.stall()  # accepts connections, forwards nothing: a hung machine
+        route = engine.route(["r"], adapter_id=None, tenant_id=None, dedicated=False)
+        if route.worker_id != "w1":
+            route.worker_id = "w1"  # make sure it is tried first
+        started = time.monotonic()
+        outputs = await _run(engine, "r")
+        assert outputs[-1].finished
+        assert 0.5 <= time.monotonic() - started < 3
+        assert route.worker_id == "w2"
+        assert [s.request_id for s in w2.engine.submitted] == ["r"]
+
+
+async def test_heartbeats_take_workers_in_and_out_of_rotation(cluster: Cluster) -> None:
+    w1 = await cluster.add_worker("w1")
+    w2 = await cluster.add_worker("w2")
+    async with remote(cluster) as engine:
+        # A graceful stop deletes the heartbeat: out at the next read.
+        await w1.publisher.withdraw()
+        took = await _wait_for(lambda: [w.worker_id for w in engine.pool.all()] == ["w2"])
+        assert took < 0.5
+        assert [b.worker_id for b in await read_heartbeats(w2.publisher.redis)] == ["w2"]
+        # A crash stops the beats: out once the key expires.
+        task = w2.publisher._task
+        assert task is not None
+        task.cancel()
+        stopped = time.monotonic()
+        await _wait_for(lambda: not engine.pool.all())
+        # The key lives TTL_S from the last beat, which came at most about an interval
+        # (and a busy loop's delay) before the cancel.
+        assert TTL_S / 2 <= time.monotonic() - stopped < TTL_S + 0.5
+        assert not engine.is_ready()
+        with pytest.raises(NoWorkerAvailable):
+            engine.route(["x"], adapter_id=None, tenant_id=None, dedicated=False)
+        with pytest.raises(NoWorkerAvailable):
+            await _run(engine, "x")
+        # A restarted worker (a new instance) is in at its first beat.
+        w3 = await cluster.add_worker("w1")
+        await _wait_for(lambda: [w.worker_id for w in engine.pool.in_rotation()] == ["w1"])
+        assert engine.pool.get("w1").beat.instance == w3.publisher.identity.instance  # type: ignore[union-attr]
+
+
+async def test_a_worker_out_after_a_failure_comes_back_after_two_beats(cluster: Cluster) -> None:
+    w1 = await cluster.add_worker("w1")
+    async with remote(cluster) as engine:
+        w1.proxy.cut()
+        with pytest.raises(NoWorkerAvailable, match="ConnectError"):
+            await _run(engine, "r1")
+        assert engine.pool.in_rotation() == []
+        w1.proxy.restore()
+        await _wait_for(lambda: bool(engine.pool.in_rotation()), timeout=2)
+        assert (await _run(engine, "r2"))[-1].finished
+
+
+async def test_a_wrong_token_takes_the_worker_out(cluster: Cluster) -> None:
+    await cluster.add_worker("w1", token="another-token-0123456789abcdef")
+    async with remote(cluster) as engine:
+        with pytest.raises(NoWorkerAvailable, match="HTTP 401"):
+            await _run(engine, "r1")
+        assert cluster.workers["w1"].engine.submitted == []
+
+
+async def test_requests_the_engine_refuses_are_not_retried(cluster: Cluster) -> None:
+    await cluster.add_worker("w1")
+    await cluster.add_worker("w2")
+    async with remote(cluster) as engine:
+        with pytest.raises(ValueError, match="at least one token"):
+            async for _ in engine.generate("r1", [], SamplingParams()):
+                pass
+        for worker in cluster.workers.values():
+            worker.engine.fail_with = RequestRejected("too long", code="context_length_exceeded",
+                                                      param="messages")
+        with pytest.raises(RequestRejected) as rejected:
+            await _run(engine, "r2")
+        assert (rejected.value.code, rejected.value.param) == ("context_length_exceeded",
+                                                               "messages")
+        submitted = [s.request_id for w in cluster.workers.values() for s in w.engine.submitted]
+        assert sorted(submitted) == ["r2"]  # FakeEngine records r1 only once past the check
+        assert len(engine.pool.in_rotation()) == 2
+
+
+async def test_the_request_reaches_the_worker_engine_unchanged(cluster: Cluster) -> None:
+    w1 = await cluster.add_worker("w1")
+    tenant = TenantContext("t_1", weight=2.0, max_running=3, max_kv_fraction=0.5,
+                           max_tokens=50, max_context_tokens=1000)
+    sampling = SamplingParams(max_tokens=2, temperature=0.0, stop=["x"], seed=7, logprobs=1)
+    async with remote(cluster) as engine:
+        outputs = [o async for o in engine.generate(
+            "r1", [104, 105], sampling, salt="t_1", priority=2, tenant=tenant
+        )]
+    [submitted] = w1.engine.submitted
+    assert (submitted.request_id, submitted.prompt_token_ids, submitted.sampling,
+            submitted.salt, submitted.priority, submitted.tenant) == (
+        "r1", [104, 105], sampling, "t_1", 2, tenant
+    )
+    assert [o.new_token_ids for o in outputs] == [[105], [104]]  # seed 7: from offset 1
+    assert outputs[0].new_logprobs[0].top == [(105, -0.5)]
+
+
+async def test_an_adapter_unknown_to_the_gateway_is_not_found(cluster: Cluster) -> None:
+    await cluster.add_worker("w1")
+    async with remote(cluster) as engine:
+        with pytest.raises(RequestRejected) as rejected:
+            await _run(engine, "r1", adapter="av/unknown")
+        assert rejected.value.code == "model_not_found"
+        assert cluster.workers["w1"].engine.adapters == {}
+
+
+async def test_a_worker_that_lost_an_adapter_gets_it_again(
+    cluster: Cluster, adapter_dir: Path
+) -> None:
+    w1 = await cluster.add_worker("w1")
+    async with remote(cluster) as engine:
+        await engine.add_adapter("av/x", str(adapter_dir))
+        await _wait_for(lambda: engine.pool.get("w1").beat.adapters_registered == ["av/x"])  # type: ignore[union-attr]
+        del w1.engine.adapters["av/x"]  # its heartbeat still says it has it
+        outputs = await _run(engine, "r1", adapter="av/x")
+        assert outputs[-1].finished
+        assert "av/x" in w1.engine.adapters
+
+
+async def test_dedicated_tenants_run_only_on_their_workers(cluster: Cluster) -> None:
+    await cluster.add_worker("shared")
+    acme = await cluster.add_worker("acme-slice", dedicated=("t_acme",))
+    async with remote(cluster) as engine:
+        for i in range(3):
+            route = engine.route([f"a{i}"], adapter_id=None, tenant_id="t_acme", dedicated=True)
+            assert route.worker_id == "acme-slice"
+            await _run(engine, f"a{i}")
+            shared = engine.route([f"s{i}"], adapter_id=None, tenant_id="t_other",
+                                  dedicated=False)
+            assert shared.worker_id == "shared"
+            await _run(engine, f"s{i}")
+        with pytest.raises(NoWorkerAvailable, match="tenant"):
+            engine.route(["x"], adapter_id=None, tenant_id="t_beta", dedicated=True)
+        [report] = [r for r in engine.workers() if r.beat.worker_id == "acme-slice"]
+        assert report.beat.dedicated_tenants == ["t_acme"]
+        assert [s.request_id for s in acme.engine.submitted] == ["a0", "a1", "a2"]
+
+
+async def test_synchronous_answers_come_from_the_heartbeats(cluster: Cluster) -> None:
+    w1 = await cluster.add_worker("w1")
+    w2 = await cluster.add_worker("w2")
+    w1.engine.num_waiting = 3
+    w2.engine._max_model_len = 2048
+    async with remote(cluster) as engine:
+        await _wait_for(lambda: engine.stats().num_waiting == 3 and engine.max_model_len < 4096)
+        assert engine.max_model_len == 2048  # the smaller worker's
+        stats = engine.stats()
+        assert (stats.num_total_blocks, stats.num_free_blocks) == (256, 200)
+        assert stats.kv_usage == pytest.approx(56 / 256)
+        assert engine.max_adapter_bytes() == 64 * 1024 * 1024
+        reports = engine.workers()
+        assert [(r.beat.worker_id, r.in_rotation, r.inflight) for r in reports] == [
+            ("w1", True, 0), ("w2", True, 0)
+        ]
+        assert reports[0].beat.url == w1.publisher.identity.url
+        assert reports[0].beat.device == "cpu"
