@@ -132,7 +132,6 @@ class GatewayReport:
 # ------------------------------------------------------------------- measuring
 
 
-
 async def scrape_overhead(base_url: str) -> tuple[float, float]:
     """(sum, count) of loraplex_gateway_overhead_seconds over every tenant."""
     from prometheus_client.parser import text_string_to_metric_families

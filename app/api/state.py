@@ -37,7 +37,7 @@ class AppState:
     draining: bool = False
 
 
-def get_app_state(request: Request) -> AppState:
+async def get_app_state(request: Request) -> AppState:
     state = request.app.state.loraplex
     assert isinstance(state, AppState), "create_app() sets app.state.loraplex"
     return state
