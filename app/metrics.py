@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Protocol
+from typing import Any, Protocol, cast
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import (
@@ -85,10 +85,31 @@ class _EngineCollector(Collector):
         yield GaugeMetricFamily(
             "loraplex_adapters_registered", "LoRA adapters served.", value=stats.num_adapters
         )
+        yield from _worker_metrics(self._engine)
         cache = stats.adapter_cache
         if cache is None:
             return
         yield from _adapter_cache_metrics(cache)
+
+
+class _WorkerPool(Protocol):
+    def workers(self) -> list[Any]: ...
+
+
+def _worker_metrics(engine: EngineClient) -> Iterator[Metric]:
+    """A gateway's engine is a pool of workers: how many take requests right now."""
+    if not hasattr(engine, "workers"):
+        return
+    reports = cast(_WorkerPool, engine).workers()
+    workers = GaugeMetricFamily(
+        "loraplex_workers",
+        "Engine workers with a live heartbeat, in rotation or out of it (after a failure).",
+        labels=["state"],
+    )
+    in_rotation = sum(1 for r in reports if r.in_rotation)
+    workers.add_metric(["in_rotation"], in_rotation)
+    workers.add_metric(["out_of_rotation"], len(reports) - in_rotation)
+    yield workers
 
 
 def _adapter_cache_metrics(cache: AdapterCacheStats) -> Iterator[Metric]:

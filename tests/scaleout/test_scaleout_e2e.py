@@ -177,6 +177,8 @@ def test_gateway_routes_to_workers_and_survives_a_killed_worker(
         assert _chat(client, key, "tiny-lora").headers[WORKER_HEADER] == other
         _wait(lambda: in_rotation() == sorted({other, "w3"}), 5, "the dead worker gone",
               all_logs)
+        metrics = client.get("/metrics").text
+        assert 'loraplex_workers{state="in_rotation"} 2.0' in metrics
 
         # A stream in flight on a worker that dies ends with an error event, not a hang.
         with client.stream(
