@@ -121,6 +121,13 @@ async def remote(cluster: Cluster, **options: object) -> AsyncIterator[RemoteEng
     )
     await engine.start()
     try:
+        # The workers added so far are all in rotation before the test goes on: on a busy
+        # machine the first heartbeats can arrive after start() returns.
+        expected = set(cluster.workers)
+        await _wait_for(
+            lambda: {r.beat.worker_id for r in engine.workers() if r.in_rotation} >= expected,
+            timeout=15,
+        )
         yield engine
     finally:
         await engine.shutdown()
