@@ -44,18 +44,7 @@ def encode_event(event: UsageEvent) -> bytes:
         _ENCODER.encode(
             {
                 "v": LINE_VERSION,
-                "request_id": event.request_id,
-                "tenant_id": event.tenant_id,
-                "key_id": event.key_id,
-                "model": event.model,
-                "adapter_id": event.adapter_id,
-                "adapter_version": event.adapter_version,
-                "prompt_tokens": event.prompt_tokens,
-                "completion_tokens": event.completion_tokens,
-                "cached_tokens": event.cached_tokens,
-                "ttft_ms": event.ttft_ms,
-                "latency_ms": event.latency_ms,
-                "status": event.status.value,
+                **event_row(event),
                 "created_at": event.created_at.isoformat(),
             }
         ).encode()
