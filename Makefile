@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo serve test test-fast lint bench clean
+.PHONY: install browser demo serve test test-fast lint bench clean
 
 install: $(STAMP)
 
@@ -25,7 +25,12 @@ demo: install
 serve: install
 	$(BIN)/loraplex serve --no-auth
 
-test: install
+# The admin UI's browser tests drive Debian's Chromium (never a downloaded browser).
+browser:
+	@test -x /usr/bin/chromium || (apt-get install -y -q chromium >/dev/null || \
+	  (apt-get update -q >/dev/null && apt-get install -y -q chromium >/dev/null))
+
+test: install browser
 	$(BIN)/pytest -q -ra
 
 test-fast: install

@@ -250,39 +250,16 @@ def serve(
     asyncio.run(serve_engine(config, settings))
 
 
-def _print_try_it(engine: EngineClient, settings: Settings) -> None:
-    base = f"http://{settings.host}:{settings.port}"
-    model = engine.model_id
-    click.echo(
-        f"""
-loraplex demo: {model} on {base} (no API key needed)
-
-  curl {base}/v1/chat/completions -H 'Content-Type: application/json' \\
-    -d '{{"model": "{model}", "max_tokens": 32,
-         "messages": [{{"role": "user", "content": "Say hi"}}]}}'
-
-  curl -N {base}/v1/completions -H 'Content-Type: application/json' \\
-    -d '{{"model": "{model}", "max_tokens": 16, "stream": true,
-         "prompt": "The capital of France is"}}'
-
-  python -c 'import openai; c = openai.OpenAI(base_url="{base}/v1", api_key="none"); \\
-print(c.chat.completions.create(model="{model}", \\
-messages=[{{"role": "user", "content": "Say hi"}}], max_tokens=32).choices[0].message.content)'
-
-  {base}/metrics    {base}/ready    {base}/docs
-"""
-    )
-
-
 @main.command()
 @click.option("--port", default=None, type=click.IntRange(0, 65535),
               help="Port to bind [default: 8000].")
 def demo(port: int | None) -> None:
-    """Serve the bundled model on 127.0.0.1 without keys and print what to try."""
-    settings = _settings(host="127.0.0.1", port=port, no_auth=True)
-    config = EngineConfig()
+    """Serve the bundled model on 127.0.0.1 with demo tenants, keys and small LoRA
+    adapters trained on it (once, then cached), and print what to try."""
+    from app.demo.run import run_demo
+
     _setup_logging()
-    asyncio.run(serve_engine(config, settings, on_ready=_print_try_it))
+    run_demo(_settings(host="127.0.0.1", port=port))
 
 
 
@@ -316,6 +293,7 @@ def db_downgrade(revision: str) -> None:
 
 
 def _register_subcommands() -> None:
+    from app.admin_cli import admin
     from app.plan_cli import plan
     from app.scaleout_cli import gateway, worker
     from bench.cli import bench
@@ -324,6 +302,7 @@ def _register_subcommands() -> None:
     main.add_command(plan)
     main.add_command(worker)
     main.add_command(gateway)
+    main.add_command(admin)
 
 
 if __name__ == "__main__":

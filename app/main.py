@@ -13,12 +13,14 @@ from importlib.metadata import PackageNotFoundError, version
 from fastapi import FastAPI
 from sqlalchemy import Engine
 
+import admin_ui
 from app.api.errors import install_exception_handlers
 from app.api.middleware import RequestContextMiddleware
 from app.api.routes import (
     adapters,
     admin_engine,
     admin_tenants,
+    billing,
     chat,
     completions,
     health,
@@ -107,12 +109,14 @@ def create_app(engine: EngineClient, settings: Settings) -> FastAPI:
         RequestContextMiddleware,
         max_body_bytes=settings.max_body_bytes,
         metrics=state.metrics,
-        unlimited_paths=adapters.UPLOAD_PATHS,
+        unlimited_paths=adapters.UPLOAD_PATHS | admin_ui.UPLOAD_PATHS,
     )
     for module in (
         completions, chat, models, health, adapters, admin_tenants, usage, admin_engine
     ):
         app.include_router(module.router)
+    app.include_router(billing.router)
+    admin_ui.install(app)
     return app
 
 

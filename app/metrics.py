@@ -27,9 +27,25 @@ KNOWN_ROUTES = frozenset(
     {
         "/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/usage", "/v1/adapters",
         "/health", "/ready", "/metrics", "/admin/tenants", "/admin/adapters", "/admin/usage",
-        "/admin/engine", "/admin/keys", "/admin/audit",
+        "/admin/engine", "/admin/keys", "/admin/audit", "/admin/plans", "/admin/invoices",
+        "/admin/ui",
     }
 )
+
+
+def route_label(path: str) -> str:
+    """The known route a path is, or is under ("/admin/tenants/t1/keys" -> "/admin/tenants");
+    "other" for anything else."""
+    if path in KNOWN_ROUTES:
+        return path
+    parts = path.split("/")
+    for end in range(len(parts) - 1, 1, -1):
+        prefix = "/".join(parts[:end])
+        if prefix in KNOWN_ROUTES:
+            return prefix
+    return "other"
+
+
 # Gateway overhead: time a request spends outside the engine (auth, quotas, tokenizing,
 # rendering); milliseconds matter here.
 _OVERHEAD_BUCKETS = (
@@ -323,8 +339,7 @@ class Metrics:
         self.usage_db_errors.inc()
 
     def observe_http(self, path: str, status: int) -> None:
-        route = path if path in KNOWN_ROUTES else "other"
-        self.http_requests.labels(route=route, status=str(status)).inc()
+        self.http_requests.labels(route=route_label(path), status=str(status)).inc()
 
     def observe_request(
         self,

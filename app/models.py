@@ -218,6 +218,8 @@ class UsageRecord(Base):
     status: Mapped[str] = mapped_column(String(16))
     # When the request arrived.
     created_at: Mapped[datetime] = mapped_column()
+    # The final invoice that billed this row; NULL until one does (app/billing/service.py).
+    invoice_id: Mapped[str | None] = mapped_column(String(32), index=True)
 
 
 class AuditLog(Base):
@@ -232,3 +234,48 @@ class AuditLog(Base):
     target_id: Mapped[str | None] = mapped_column(String(64))
     details: Mapped[dict[str, Any]] = mapped_column(default=dict)
     request_id: Mapped[str | None] = mapped_column(String(128))
+
+
+class PlanRecord(Base):
+    """A price plan (app/billing/plans.py PricePlan); tenants name it in `plan`.
+
+    NOTE: money is stored as the decimal strings it was given in, so that a price reads
+    back digit for digit the same on SQLite and PostgreSQL.
+    """
+
+    __tablename__ = "price_plans"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    name: Mapped[str] = mapped_column(String(64), unique=True)
+    currency: Mapped[str] = mapped_column(String(3))
+    prompt_per_mtok: Mapped[str] = mapped_column(String(40))
+    completion_per_mtok: Mapped[str] = mapped_column(String(40))
+    cached_prompt_per_mtok: Mapped[str] = mapped_column(String(40))
+    adapter_month: Mapped[str] = mapped_column(String(40))
+    monthly_minimum: Mapped[str] = mapped_column(String(40))
+    volume_tiers: Mapped[list[Any]] = mapped_column(JSON, default=list)
+    adapter_overrides: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    created_by: Mapped[str | None] = mapped_column(String(64))
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class InvoiceRecord(Base):
+    """A tenant's invoice for one month: a draft until finalised, then never changed."""
+
+    __tablename__ = "invoices"
+    __table_args__ = (
+        UniqueConstraint("tenant_id", "period", name="uq_invoices_tenant_id_period"),
+    )
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id"))
+    period: Mapped[str] = mapped_column(String(7))  # "YYYY-MM"
+    status: Mapped[str] = mapped_column(String(16))  # draft | final
+    plan: Mapped[str] = mapped_column(String(64))
+    currency: Mapped[str] = mapped_column(String(3))
+    total: Mapped[str] = mapped_column(String(40))  # decimal string
+    # The whole invoice (app/billing/invoice.py Invoice) as JSON, money as decimal strings.
+    document: Mapped[dict[str, Any]] = mapped_column()
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
+    finalized_at: Mapped[datetime | None] = mapped_column()

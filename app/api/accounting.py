@@ -98,6 +98,8 @@ class RequestAccount:
         latency_s = now - plan.arrival
         ref = plan.adapter
         principal = plan.principal
+        # NOTE: an admin acting for a tenant (X-Loraplex-Tenant) records its own row:
+        # tenant_id stays None and key_id is the admin's, so the tenant is not billed.
         state.usage.record(
             UsageEvent(
                 request_id=plan.response_id,

@@ -8,6 +8,7 @@ of the gateway's CPU per request (bench/gateway.py).
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Annotated
 
 from fastapi import Depends, Request
@@ -64,6 +65,45 @@ async def get_inference_caller(principal: CurrentPrincipal) -> Principal:
 
 
 InferencePrincipal = Annotated[Principal, Depends(get_inference_caller)]
+
+# An admin names the tenant it acts for on the generation routes and /v1/models.
+ACT_FOR_TENANT_HEADER = "X-Loraplex-Tenant"
+
+
+async def get_serving_caller(
+    request: Request, state: AppStateDep, principal: InferencePrincipal
+) -> Principal:
+    """The caller of a generation or model-list route: with `X-Loraplex-Tenant: <tenant
+    id>`, an admin acting for that tenant (its own and the shared adapters).
+
+    NOTE: a tenant key that sends the header is refused, even naming its own tenant: a
+    header that some keys may send and others not is a probe nobody needs. A disabled
+    tenant may still be acted for, so that an admin can try its adapters before
+    enabling it; a deleted one is gone (404).
+    """
+    value = request.headers.get(ACT_FOR_TENANT_HEADER)
+    if value is None:
+        return principal
+    if not principal.is_admin:
+        raise forbidden(
+            f"The {ACT_FOR_TENANT_HEADER} header needs an admin key; tenant keys always "
+            "act for their own tenant."
+        )
+    tenant_id = value.strip()
+    tenant = state.directory.tenant(tenant_id) if tenant_id else None
+    if tenant is None:
+        raise APIError(
+            404,
+            f"No tenant has the id '{tenant_id}' (from the {ACT_FOR_TENANT_HEADER} header); "
+            "it takes a tenant's id, as GET /admin/tenants lists them, not its name.",
+            code="tenant_not_found",
+        )
+    acting = replace(principal, acting_for=tenant)
+    request.state.principal = acting
+    return acting
+
+
+ServingPrincipal = Annotated[Principal, Depends(get_serving_caller)]
 
 
 def get_session(state: AppStateDep) -> Iterator[Session]:

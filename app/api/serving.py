@@ -154,11 +154,11 @@ class ModelTarget:
 def resolve_model(state: AppState, principal: Principal, model: str) -> ModelTarget:
     """The base model, one of the caller's (or the shared) registry adapters, or an adapter
     preloaded with `--lora`; 404 `model_not_found` for anything else, including other
-    tenants' adapters."""
+    tenants' adapters. An admin acting for a tenant sees that tenant's adapters."""
     engine = state.engine
     if model == engine.model_id:
         return ModelTarget(engine_adapter=None, ref=None, label=model)
-    ref = state.directory.resolve_adapter(principal.tenant_id, model)
+    ref = state.directory.resolve_adapter(principal.adapter_owner_id, model)
     if ref is not None:
         return ModelTarget(engine_adapter=ref.engine_name, ref=ref, label=ref.name)
     if not model.startswith(REGISTRY_ENGINE_PREFIX) and engine.get_adapter(model) is not None:

@@ -41,10 +41,22 @@ class Principal:
     tenant: TenantInfo | None  # None for admin keys and without auth
     is_admin: bool
     scopes: frozenset[str] = field(default_factory=frozenset)
+    # An admin acting for a tenant (header X-Loraplex-Tenant): whose adapters it may use.
+    # NOTE: only the adapters change hands. `tenant` stays None, so the call is the
+    # admin's own: no tenant quota admits it, no tenant limit caps it, and its usage row
+    # carries no tenant_id (the admin's key_id), so it is never billed to the tenant.
+    acting_for: TenantInfo | None = None
 
     @property
     def tenant_id(self) -> str | None:
         return None if self.tenant is None else self.tenant.id
+
+    @property
+    def adapter_owner_id(self) -> str | None:
+        """The tenant whose own adapters (besides the shared ones) the caller may use."""
+        if self.acting_for is not None:
+            return self.acting_for.id
+        return self.tenant_id
 
     def has_scope(self, scope: Scope) -> bool:
         return self.is_admin or scope.value in self.scopes

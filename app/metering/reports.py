@@ -1,18 +1,30 @@
-"""Usage reports: sums over usage_records per tenant and per day, adapter or key."""
+"""Usage reports: sums over usage_records per tenant and per day, adapter or key, with
+what the tokens cost under the tenant's price plan.
+
+Cost of a row (``cost``, in the plan's ``currency``; None for a tenant without a plan):
+the row's tokens of each kind and adapter times the plan's base price of that kind (or
+the adapter's override price), each such line rounded with the invoices' one rule
+(half-to-even to the currency's minor unit), then summed. It is list price only: monthly
+minimums, volume tiers, adapter hosting and late-usage adjustments appear only on
+invoices (app/billing/service.py), so a month's report cost need not equal its invoice.
+"""
 
 from __future__ import annotations
 
+from collections import defaultdict
 from datetime import date, datetime
+from decimal import Decimal
 from typing import Any, Literal
 
 from pydantic import BaseModel
-from sqlalchemy import ColumnElement, String, case, func, select
-from sqlalchemy.ext.compiler import compiles
+from sqlalchemy import ColumnElement, case, func, select
 from sqlalchemy.orm import QueryableAttribute, Session
-from sqlalchemy.sql.compiler import SQLCompiler
-from sqlalchemy.sql.functions import FunctionElement
 
+from app.billing.invoice import line_amount, round_amount
+from app.billing.plans import TOKEN_KINDS, PricePlan
+from app.billing.records import tenant_plans
 from app.models import Adapter, ApiKey, UsageRecord, UsageStatus
+from app.sql_time import utc_day
 
 _Column = ColumnElement[Any] | QueryableAttribute[Any]
 GroupBy = Literal["day", "adapter", "key"]
@@ -44,49 +56,25 @@ class UsageRow(UsageCounts):
     adapter_name: str | None = None
     key_id: str | None = None
     key_name: str | None = None
+    cost: Decimal | None = None  # list price under the tenant's plan; None: no plan
+    currency: str | None = None
 
 
-class utc_day(FunctionElement[str]):
-    """The UTC calendar date of a timestamp as 'YYYY-MM-DD', on SQLite and PostgreSQL.
+class UsageTotals(UsageCounts):
+    """The sum of a report's rows; ``cost`` only when every row is priced in one currency."""
 
-    NOTE: no bound parameters inside, so that the same text in SELECT and GROUP BY is
-    the same expression to PostgreSQL.
-    """
-
-    type = String()
-    inherit_cache = True
-    name = "utc_day"
-
-
-@compiles(utc_day, "sqlite")
-def _utc_day_sqlite(element: utc_day, compiler: SQLCompiler, **kw: Any) -> str:
-    # SQLite keeps naive UTC text ('YYYY-MM-DD HH:MM:SS.ffffff'): its date part.
-    return f"date({compiler.process(element.clauses, **kw)})"
-
-
-@compiles(utc_day, "postgresql")
-def _utc_day_postgresql(element: utc_day, compiler: SQLCompiler, **kw: Any) -> str:
-    # timestamptz -> UTC wall time first: date() alone would use the session's time zone.
-    column = compiler.process(element.clauses, **kw)
-    return f"to_char(({column}) AT TIME ZONE 'UTC', 'YYYY-MM-DD')"
+    cost: Decimal | None = None
+    currency: str | None = None
 
 
 def _count_status(status: UsageStatus) -> ColumnElement[Any]:
     return func.sum(case((UsageRecord.status == status.value, 1), else_=0))
 
 
-def usage_report(
-    session: Session,
-    *,
-    tenant_id: str | None,
-    start: datetime,
-    end: datetime,
+def _grouping(
     group_by: GroupBy | None,
-) -> list[UsageRow]:
-    """Usage from `start` (inclusive) to `end` (exclusive), per tenant and per
-    `group_by`; `tenant_id=None`: every tenant (each its own rows). Ordered by tenant,
-    then day / adapter id / key id (None first)."""
-    assert start.tzinfo is not None and end.tzinfo is not None, "aware datetimes"
+) -> tuple[list[_Column], list[_Column], list[tuple[Any, Any]]]:
+    """(GROUP BY columns, extra SELECT columns, outer joins) of a grouping."""
     r = UsageRecord
     groups: list[_Column] = [r.tenant_id]
     labels: list[_Column] = []
@@ -105,6 +93,23 @@ def usage_report(
         joins.append((ApiKey, ApiKey.id == r.key_id))
     else:
         assert group_by is None, group_by
+    return groups, labels, joins
+
+
+def usage_report(
+    session: Session,
+    *,
+    tenant_id: str | None,
+    start: datetime,
+    end: datetime,
+    group_by: GroupBy | None,
+) -> list[UsageRow]:
+    """Usage from `start` (inclusive) to `end` (exclusive), per tenant and per
+    `group_by`; `tenant_id=None`: every tenant (each its own rows). Ordered by tenant,
+    then day / adapter id / key id (None first). Rows of tenants with a plan carry cost."""
+    assert start.tzinfo is not None and end.tzinfo is not None, "aware datetimes"
+    r = UsageRecord
+    groups, labels, joins = _grouping(group_by)
     query = select(
         r.tenant_id,
         *labels,
@@ -118,15 +123,21 @@ def usage_report(
     ).select_from(r)
     for target, on in joins:
         query = query.outerjoin(target, on)
-    query = query.where(r.created_at >= start, r.created_at < end).group_by(*groups)
+    in_range = [r.created_at >= start, r.created_at < end]
     if tenant_id is not None:
-        query = query.where(r.tenant_id == tenant_id)
+        in_range.append(r.tenant_id == tenant_id)
+    query = query.where(*in_range).group_by(*groups)
+    costs = _costs(session, groups, in_range)
     rows: list[UsageRow] = []
     for row in session.execute(query).mappings():
         values = dict(row)
         for name in ("requests_ok", "requests_aborted", "requests_error", "prompt_tokens",
                      "completion_tokens", "cached_tokens"):
             values[name] = int(values[name] or 0)
+        group_key = tuple(values.get(name) for name in _group_names(group_by))
+        priced = costs.get((values["tenant_id"], *group_key))
+        if priced is not None:
+            values["cost"], values["currency"] = priced
         if "day" in values:
             values["day"] = date.fromisoformat(values["day"])
         values["total_tokens"] = values["prompt_tokens"] + values["completion_tokens"]
@@ -134,6 +145,66 @@ def usage_report(
     # Sorted here: NULLs order differently on SQLite and PostgreSQL.
     rows.sort(key=_sort_key)
     return rows
+
+
+def _group_names(group_by: GroupBy | None) -> tuple[str, ...]:
+    return {None: (), "day": ("day",), "adapter": ("adapter_id",), "key": ("key_id",)}[
+        group_by
+    ]
+
+
+def _costs(
+    session: Session, groups: list[_Column], where: list[ColumnElement[bool]]
+) -> dict[tuple[Any, ...], tuple[Decimal, str]]:
+    """(tenant id, group value) -> (cost, currency) for the groups of tenants with a plan.
+
+    The groups are split by adapter (the price depends on it) and by token kind: each
+    (group, adapter, kind) is one line, rounded as on an invoice.
+    """
+    r = UsageRecord
+    tenants = session.scalars(select(r.tenant_id).where(*where).distinct())
+    plans = tenant_plans(session, (t for t in tenants if t is not None))
+    if not plans:
+        return {}
+    grouped_by_adapter = any(column is r.adapter_id for column in groups)
+    by_adapter = groups if grouped_by_adapter else [*groups, r.adapter_id]
+    query = (
+        select(
+            *by_adapter,
+            func.sum(r.prompt_tokens),
+            func.sum(r.completion_tokens),
+            func.sum(r.cached_tokens),
+        )
+        .where(*where, r.tenant_id.in_(sorted(plans)))
+        .group_by(*by_adapter)
+    )
+    width = len(by_adapter)
+    costs: dict[tuple[Any, ...], Decimal] = defaultdict(Decimal)
+    for values in session.execute(query):
+        key, adapter_id = tuple(values[: len(groups)]), values[width - 1]
+        prompt, completion, cached = (int(v or 0) for v in values[width:])
+        plan = plans[key[0]]
+        costs[key] += list_price(plan, adapter_id, prompt - cached, cached, completion)
+    return {
+        key: (round_amount(cost, plans[key[0]].currency), plans[key[0]].currency)
+        for key, cost in costs.items()
+    }
+
+
+def list_price(
+    plan: PricePlan, adapter_id: str | None, prompt: int, cached_prompt: int, completion: int
+) -> Decimal:
+    """Uncached prompt, cached prompt and completion tokens at the plan's base (or the
+    adapter's override) prices: one rounded amount per kind, summed."""
+    prices = plan.adapter_overrides.get(adapter_id or "", plan.base_prices)
+    tokens = dict(zip(TOKEN_KINDS, (prompt, cached_prompt, completion), strict=True))
+    total = Decimal(0)
+    for kind in TOKEN_KINDS:
+        if tokens[kind]:
+            total += line_amount(
+                Decimal(tokens[kind]).scaleb(-6), prices.per_mtok(kind), plan.currency
+            )
+    return total
 
 
 def _sort_key(row: UsageRow) -> tuple[Any, ...]:
@@ -146,10 +217,23 @@ def _sort_key(row: UsageRow) -> tuple[Any, ...]:
     )
 
 
-def usage_totals(rows: list[UsageRow]) -> UsageCounts:
-    totals = UsageCounts()
+def usage_totals(rows: list[UsageRow], *, currency: str | None = None) -> UsageTotals:
+    """Sums of `rows`; `currency`: the one tenant's plan currency (an empty report of a
+    tenant with a plan then costs zero rather than nothing)."""
+    totals = UsageTotals()
     for row in rows:
         totals.add(row)
+    currencies = {row.currency for row in rows}
+    if currency is not None:
+        currencies.add(currency)
+    if len(currencies) == 1 and None not in currencies:
+        (totals.currency,) = currencies
+        cost = Decimal(0)
+        for row in rows:
+            assert row.cost is not None
+            cost += row.cost
+        assert totals.currency is not None
+        totals.cost = round_amount(cost, totals.currency)
     return totals
 
 

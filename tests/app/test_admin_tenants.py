@@ -19,6 +19,7 @@ from app.api.errors import APIError, install_exception_handlers
 from app.api.middleware import RequestContextMiddleware
 from app.api.routes.admin_tenants import router
 from app.api.state import AppState
+from app.billing.service import PlanCreate, create_plan
 from app.core.config import Settings
 from app.core.security import hash_key, well_formed
 from app.db import make_engine, session_factory, session_scope
@@ -86,6 +87,14 @@ async def new_tenant(api: Api, name: str = "acme", **fields: Any) -> dict[str, A
     return dict(response.json())
 
 
+def new_plan(api: Api, name: str) -> None:
+    """A tenant's `plan` must name an existing price plan."""
+    body = PlanCreate(name=name, currency="USD", prompt_per_mtok="1",
+                      completion_per_mtok="2", cached_prompt_per_mtok="0.5")
+    with session_scope(api.db) as session:
+        create_plan(session, body, actor="test", request_id=None)
+
+
 async def new_key(api: Api, tenant_id: str, **fields: Any) -> dict[str, Any]:
     response = await api.client.post(
         f"/admin/tenants/{tenant_id}/keys", json={"name": "ci", **fields}, headers=ADMIN
@@ -109,6 +118,7 @@ def refused(api: Api, key: str) -> str:
 
 
 async def test_create_get_list_tenant(api: Api) -> None:
+    new_plan(api, "pro")
     body = {
         "name": "acme",
         "tier": "premium",
@@ -148,6 +158,7 @@ async def test_create_get_list_tenant(api: Api) -> None:
 
 
 async def test_patch_merges_quotas_and_null_means_unlimited(api: Api) -> None:
+    new_plan(api, "basic")
     tenant = await new_tenant(api, quotas={"rpm": 10, "tpm": 100}, plan="basic")
     path = f"/admin/tenants/{tenant['id']}"
     patched = (await api.client.patch(path, json={"quotas": {"rpm": 20}}, headers=ADMIN)).json()

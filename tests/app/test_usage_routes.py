@@ -147,6 +147,7 @@ def counts(requests: int, ok: int, aborted: int, error: int, prompt: int, comple
         "requests": requests, "requests_ok": ok, "requests_aborted": aborted,
         "requests_error": error, "prompt_tokens": prompt, "completion_tokens": completion,
         "cached_tokens": cached, "total_tokens": prompt + completion,
+        "cost": None, "currency": None,  # these tenants have no price plan
     }
 
 
@@ -318,14 +319,14 @@ async def test_admin_csv(service: Service) -> None:
     assert lines[0] == [
         "tenant_id", "key_id", "key_name", "requests", "requests_ok", "requests_aborted",
         "requests_error", "prompt_tokens", "completion_tokens", "cached_tokens",
-        "total_tokens",
+        "total_tokens", "cost", "currency",
     ]
     assert sorted(lines[1:-1]) == sorted([
-        [s.tenant_a, s.key_a1, "prod", "3", "2", "1", "0", "70", "25", "10", "95"],
+        [s.tenant_a, s.key_a1, "prod", "3", "2", "1", "0", "70", "25", "10", "95", "", ""],
         # A name that a spreadsheet would run as a formula is quoted out.
-        [s.tenant_a, s.key_a2, "'=cmd|calc", "1", "0", "0", "1", "30", "11", "4", "41"],
+        [s.tenant_a, s.key_a2, "'=cmd|calc", "1", "0", "0", "1", "30", "11", "4", "41", "", ""],
     ])
-    assert lines[-1] == ["total", "", "", "4", "2", "1", "1", "100", "36", "14", "136"]
+    assert lines[-1] == ["total", "", "", "4", "2", "1", "1", "100", "36", "14", "136", "", ""]
 
     response = await get(s, "/admin/usage", s.admin, group_by="day", format="csv", **RANGE)
     parsed = list(csv.DictReader(io.StringIO(response.text)))

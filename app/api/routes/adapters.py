@@ -71,7 +71,7 @@ def _own(principal: Principal) -> str:
 
 
 @asynccontextmanager
-async def _received(
+async def received_upload(
     request: Request,
     registry: AdapterRegistry,
     *,
@@ -113,13 +113,22 @@ async def _received(
 async def admin_upload(
     request: Request, principal: AdminPrincipal, state: AppStateDep
 ) -> AdapterVersionOut:
+    return await upload_for_admin(request, state, by=_audit_context(request, principal))
+
+
+async def upload_for_admin(request: Request, state: AppState, *, by: AuditContext
+                           ) -> AdapterVersionOut:
+    """The admin upload form (file, name, tenant_id: omitted = shared), streamed into the
+    registry; the admin API and the admin UI both take uploads through here."""
     registry = state.registry
-    async with _received(request, registry, text_fields=frozenset({"name", "tenant_id"})) as form:
+    async with received_upload(
+        request, registry, text_fields=frozenset({"name", "tenant_id"})
+    ) as form:
         version = await registry.upload(
             form.file,
             name=form.fields["name"],
             tenant_id=form.fields.get("tenant_id") or None,
-            by=_audit_context(request, principal),
+            by=by,
         )
     await _refresh(state)
     return AdapterVersionOut.of(version)
@@ -161,7 +170,7 @@ async def tenant_upload(
     request: Request, principal: AdapterWriter, state: AppStateDep
 ) -> AdapterVersionOut:
     registry = state.registry
-    async with _received(
+    async with received_upload(
         request,
         registry,
         text_fields=frozenset({"name"}),

@@ -27,6 +27,7 @@ from app.api.schemas.tenants import (
 )
 from app.api.state import AppState, AppStateDep
 from app.audit import AuditContext, list_audit
+from app.billing.service import require_plan
 from app.core.principal import Principal
 
 logger = logging.getLogger(__name__)
@@ -64,6 +65,7 @@ def create_tenant(
     session: SessionDep,
     state: AppStateDep,
 ) -> TenantOut:
+    require_plan(session, body.plan)
     row = crud.create_tenant(
         session,
         name=body.name,
@@ -104,6 +106,8 @@ def update_tenant(
     for name in _NOT_NULLABLE:
         if name in sent and getattr(body, name) is None:
             raise invalid_request(f"'{name}' cannot be null; omit it to keep it.", param=name)
+    if "plan" in sent:
+        require_plan(session, body.plan)
     patch = crud.TenantPatch(
         **{name: getattr(body, name) for name in sent if name != "quotas"},
         quotas=body.quotas.set_fields() if body.quotas is not None else {},

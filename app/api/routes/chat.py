@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request, Response
 
-from app.api.deps import InferencePrincipal
+from app.api.deps import ServingPrincipal
 from app.api.generation import serve_generation
 from app.api.protocol import ChatCompletionRequest, ChatCompletionResponse
 from app.api.responses import chat_response, chat_stream
@@ -21,7 +21,7 @@ router = APIRouter(tags=["chat"])
         "schema": ChatCompletionRequest.model_json_schema()}}}},
 )
 async def create_chat_completion(
-    request: Request, state: AppStateDep, principal: InferencePrincipal
+    request: Request, state: AppStateDep, principal: ServingPrincipal
 ) -> Response:
     body = await read_body(request, ChatCompletionRequest)
     plan = plan_chat(state, body, principal)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request, Response
 
-from app.api.deps import InferencePrincipal
+from app.api.deps import ServingPrincipal
 from app.api.generation import serve_generation
 from app.api.protocol import CompletionRequest, CompletionResponse
 from app.api.responses import completion_response, completion_stream
@@ -21,7 +21,7 @@ router = APIRouter(tags=["completions"])
         "schema": CompletionRequest.model_json_schema()}}}},
 )
 async def create_completion(
-    request: Request, state: AppStateDep, principal: InferencePrincipal
+    request: Request, state: AppStateDep, principal: ServingPrincipal
 ) -> Response:
     body = await read_body(request, CompletionRequest)
     plan = plan_completion(state, body, principal)

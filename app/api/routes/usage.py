@@ -1,5 +1,6 @@
 """Usage reports: GET /v1/usage (the caller's own tenant) and GET /admin/usage (any
-tenant, JSON or CSV).
+tenant, JSON or CSV), with each row's list-price cost when the tenant has a price plan
+(app/metering/reports.py says what that cost includes).
 
 Times (`start` inclusive, `end` exclusive) are ISO 8601 dates or date-times (UTC when
 no offset is given) or unix seconds; both omitted: the current calendar month (UTC).
@@ -19,6 +20,7 @@ from sqlalchemy.orm import Session
 from app.api.deps import AdminPrincipal, InferencePrincipal, SessionDep
 from app.api.errors import APIError, invalid_request
 from app.api.schemas.usage import UsageReport
+from app.billing.records import tenant_plans
 from app.metering.reports import (
     GROUP_BY_VALUES,
     GroupBy,
@@ -41,6 +43,8 @@ _CSV_GROUP_COLUMNS: dict[GroupBy | None, tuple[str, ...]] = {
     "key": ("key_id", "key_name"),
 }
 _CSV_COUNT_COLUMNS = tuple(UsageCounts.model_fields)
+# Empty cells for a tenant without a price plan.
+_CSV_COST_COLUMNS = ("cost", "currency")
 # Free-text cells a spreadsheet could take for a formula (CSV injection).
 _CSV_TEXT_COLUMNS = frozenset({"adapter_name", "key_name"})
 _FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
@@ -108,13 +112,14 @@ def _report(
     rows = usage_report(
         session, tenant_id=tenant_id, start=start_at, end=end_at, group_by=grouping
     )
+    plan = None if tenant_id is None else tenant_plans(session, [tenant_id]).get(tenant_id)
     return UsageReport(
         tenant_id=tenant_id,
         start=start_at,
         end=end_at,
         group_by=grouping,
         data=rows,
-        totals=usage_totals(rows),
+        totals=usage_totals(rows, currency=None if plan is None else plan.currency),
     )
 
 
@@ -191,17 +196,19 @@ def _csv_response(report: UsageReport) -> Response:
     group_columns = _CSV_GROUP_COLUMNS[report.group_by]
     buffer = io.StringIO()
     writer = csv.writer(buffer)
-    writer.writerow(("tenant_id", *group_columns, *_CSV_COUNT_COLUMNS))
+    writer.writerow(("tenant_id", *group_columns, *_CSV_COUNT_COLUMNS, *_CSV_COST_COLUMNS))
     for row in report.data:
         values = row.model_dump(mode="json")
         writer.writerow([
             values["tenant_id"],
             *(_csv_cell(c, values[c]) for c in group_columns),
             *(values[c] for c in _CSV_COUNT_COLUMNS),
+            *(values[c] for c in _CSV_COST_COLUMNS),
         ])
-    totals = report.totals.model_dump()
+    totals = report.totals.model_dump(mode="json")
     writer.writerow(["total", *("" for _ in group_columns),
-                     *(totals[c] for c in _CSV_COUNT_COLUMNS)])
+                     *(totals[c] for c in _CSV_COUNT_COLUMNS),
+                     *(totals[c] for c in _CSV_COST_COLUMNS)])
     who = re.sub(r"[^A-Za-z0-9_.-]", "_", report.tenant_id or "all")
     filename = f"usage-{who}-{report.start:%Y%m%d}-{report.end:%Y%m%d}.csv"
     return Response(

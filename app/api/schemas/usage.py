@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel
 
-from app.metering.reports import GroupBy, UsageCounts, UsageRow
+from app.metering.reports import GroupBy, UsageRow, UsageTotals
 
 
 class UsageReport(BaseModel):
@@ -17,4 +17,4 @@ class UsageReport(BaseModel):
     end: datetime  # exclusive, UTC
     group_by: GroupBy | None
     data: list[UsageRow]
-    totals: UsageCounts
+    totals: UsageTotals  # cost: the rows' costs summed, when all are in one currency

@@ -1,0 +1,265 @@
+"""Thin `loraplex admin` commands over the admin API: tenants, keys, adapters, usage,
+invoices. Each prints a table (or the server's JSON/CSV/HTML when asked) and nothing
+else on stdout, so that its output can be piped."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from typing import Any
+
+import click
+
+from app.admin_cli.client import AdminContext
+from app.admin_cli.push import push
+
+_QUOTAS = (
+    "rpm", "tpm", "max_concurrency", "monthly_tokens", "max_tokens", "max_context_tokens",
+    "max_adapters",
+)
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
+    cells = [[("-" if v is None else str(v)) for v in row] for row in rows]
+    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip()]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells]
+    return lines
+
+
+def _echo_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+    for line in format_table(headers, rows):
+        click.echo(line)
+
+
+def _echo_json(body: Any) -> None:
+    click.echo(json.dumps(body, indent=2, ensure_ascii=False))
+
+
+def _date(unix: int | None) -> str | None:
+    return None if unix is None else datetime.fromtimestamp(unix, UTC).strftime("%Y-%m-%d")
+
+
+def _tenant_id(ctx: AdminContext, ref: str | None) -> str | None:
+    if ref is None:
+        return None
+    with ctx.client() as client:
+        return client.resolve_tenant(ref).id
+
+
+# ---------------------------------------------------------------------------- tenants
+
+
+@click.group()
+def tenants() -> None:
+    """Tenants: list, create."""
+
+
+@tenants.command("list")
+@click.option("--json", "as_json", is_flag=True, help="The server's JSON.")
+@click.pass_obj
+def tenants_list(ctx: AdminContext, as_json: bool) -> None:
+    with ctx.client() as client:
+        body = client.json("GET", "/admin/tenants")
+    if as_json:
+        _echo_json(body)
+        return
+    rows = [
+        (t["id"], t["name"], t["tier"], t["isolation"], t.get("plan"),
+         "disabled" if t["disabled"] else "active", _date(t["created_at"]))
+        for t in body["data"]
+    ]
+    _echo_table(("ID", "NAME", "TIER", "ISOLATION", "PLAN", "STATE", "CREATED"), rows)
+
+
+@tenants.command("create")
+@click.argument("name")
+@click.option("--tier", type=click.Choice(["premium", "standard", "batch"]),
+              default="standard", show_default=True)
+@click.option("--isolation", type=click.Choice(["shared", "dedicated"]),
+              default="shared", show_default=True)
+@click.option("--plan", default=None, help="A price plan's name (see /admin/plans).")
+@click.option("--rpm", type=click.IntRange(min=1), help="Requests per minute.")
+@click.option("--tpm", type=click.IntRange(min=1), help="Tokens per minute.")
+@click.option("--max-concurrency", type=click.IntRange(min=1))
+@click.option("--monthly-tokens", type=click.IntRange(min=1))
+@click.option("--max-tokens", type=click.IntRange(min=1), help="Per request.")
+@click.option("--max-context-tokens", type=click.IntRange(min=1))
+@click.option("--max-adapters", type=click.IntRange(min=1))
+@click.pass_obj
+def tenants_create(
+    ctx: AdminContext, name: str, tier: str, isolation: str, plan: str | None, **quotas: int | None
+) -> None:
+    """Create tenant NAME; prints its id (quotas omitted: unlimited)."""
+    body = {
+        "name": name, "tier": tier, "isolation": isolation, "plan": plan,
+        "quotas": {k: v for k, v in quotas.items() if k in _QUOTAS and v is not None},
+    }
+    with ctx.client() as client:
+        tenant = client.json("POST", "/admin/tenants", json=body)
+    click.echo(f"Created tenant {tenant['name']}: {tenant['id']}")
+
+
+# ------------------------------------------------------------------------------- keys
+
+
+@click.group()
+def keys() -> None:
+    """API keys: create."""
+
+
+@keys.command("create")
+@click.argument("tenant")
+@click.option("--name", default="default", show_default=True, help="What lists call the key.")
+@click.option("--scope", "scopes", multiple=True,
+              type=click.Choice(["inference", "adapters:write"]),
+              help="Repeatable; default: inference.")
+@click.option("--expires-at", default=None, help="ISO 8601 with a zone, or unix seconds.")
+@click.pass_obj
+def keys_create(
+    ctx: AdminContext, tenant: str, name: str, scopes: tuple[str, ...], expires_at: str | None
+) -> None:
+    """Create a key for TENANT (id or name). The key is printed once; store it now."""
+    body: dict[str, Any] = {"name": name}
+    if scopes:
+        body["scopes"] = list(scopes)
+    if expires_at is not None:
+        body["expires_at"] = expires_at
+    with ctx.client() as client:
+        target = client.resolve_tenant(tenant)
+        created = client.json("POST", f"/admin/tenants/{target.id}/keys", json=body)
+    click.echo(f"Key {created['id']} for tenant {target.name} ({', '.join(created['scopes'])}):",
+               err=True)
+    click.echo(created["key"])
+    click.echo("Shown this once; only its hash is stored.", err=True)
+
+
+# --------------------------------------------------------------------------- adapters
+
+
+@click.group()
+def adapters() -> None:
+    """Adapters: push a PEFT directory, list."""
+
+
+adapters.add_command(push)
+
+
+@adapters.command("list")
+@click.option("--tenant", default=None, help="One tenant (id or name), or 'shared'.")
+@click.option("--json", "as_json", is_flag=True, help="The server's JSON.")
+@click.pass_obj
+def adapters_list(ctx: AdminContext, tenant: str | None, as_json: bool) -> None:
+    params = {}
+    if tenant is not None:
+        params["tenant_id"] = "shared" if tenant == "shared" else _tenant_id(ctx, tenant)
+    with ctx.client() as client:
+        body = client.json("GET", "/admin/adapters", params=params)
+    if as_json:
+        _echo_json(body)
+        return
+    rows = []
+    for a in body["data"]:
+        statuses = " ".join(f"v{v['version']}:{v['status']}" for v in a["versions"])
+        rows.append((a["id"], a["name"], a["tenant_id"] or "shared", a["latest_version"],
+                     statuses))
+    _echo_table(("ID", "NAME", "OWNER", "LATEST", "VERSIONS"), rows)
+
+
+# ------------------------------------------------------------------------------ usage
+
+
+@click.command()
+@click.option("--tenant", default=None, help="One tenant (id or name); default: all.")
+@click.option("--group-by", type=click.Choice(["day", "adapter", "key"]), default=None)
+@click.option("--start", default=None, help="ISO date/time or unix seconds (default: month).")
+@click.option("--end", default=None, help="Exclusive.")
+@click.option("--format", "fmt", type=click.Choice(["table", "json", "csv"]), default="table",
+              show_default=True)
+@click.pass_obj
+def usage(
+    ctx: AdminContext, tenant: str | None, group_by: str | None, start: str | None,
+    end: str | None, fmt: str,
+) -> None:
+    """Token usage per tenant (and per day, adapter or key)."""
+    params = {"tenant_id": _tenant_id(ctx, tenant), "group_by": group_by, "start": start,
+              "end": end, "format": "csv" if fmt == "csv" else "json"}
+    params = {k: v for k, v in params.items() if v is not None}
+    with ctx.client() as client:
+        if fmt == "csv":
+            click.echo(client.send("GET", "/admin/usage", params=params).text, nl=False)
+            return
+        body = client.json("GET", "/admin/usage", params=params)
+    if fmt == "json":
+        _echo_json(body)
+        return
+    group = {"day": ("day",), "adapter": ("adapter_name",), "key": ("key_name",)}.get(
+        group_by or "", ()
+    )
+    counts = ("requests", "prompt_tokens", "completion_tokens", "cached_tokens", "total_tokens")
+    rows = [[r["tenant_id"], *(r.get(g) for g in group), *(r[c] for c in counts)]
+            for r in body["data"]]
+    rows.append(["total", *("" for _ in group), *(body["totals"][c] for c in counts)])
+    headers = ["TENANT", *(g.upper() for g in group), *(c.upper() for c in counts)]
+    click.echo(f"{body['start']} .. {body['end']}", err=True)
+    _echo_table(headers, rows)
+
+
+# --------------------------------------------------------------------------- invoices
+
+
+@click.group()
+def invoices() -> None:
+    """Invoices: generate, list, show."""
+
+
+def _invoice_rows(data: Sequence[dict[str, Any]]) -> list[tuple[Any, ...]]:
+    return [(i["id"], i["tenant_id"], i["period"], i["plan"], f"{i['total']} {i['currency']}",
+             i["status"]) for i in data]
+
+
+_INVOICE_HEADERS = ("ID", "TENANT", "PERIOD", "PLAN", "TOTAL", "STATUS")
+
+
+@invoices.command("generate")
+@click.argument("tenant")
+@click.argument("period", metavar="YYYY-MM")
+@click.option("--json", "as_json", is_flag=True, help="The server's JSON.")
+@click.pass_obj
+def invoices_generate(ctx: AdminContext, tenant: str, period: str, as_json: bool) -> None:
+    """Generate (or regenerate, while a draft) TENANT's invoice for PERIOD."""
+    with ctx.client() as client:
+        target = client.resolve_tenant(tenant)
+        body = client.json("POST", "/admin/invoices",
+                           json={"tenant_id": target.id, "period": period})
+    if as_json:
+        _echo_json(body)
+        return
+    _echo_table(_INVOICE_HEADERS, _invoice_rows([body]))
+
+
+@invoices.command("list")
+@click.option("--tenant", default=None, help="One tenant (id or name); default: all.")
+@click.pass_obj
+def invoices_list(ctx: AdminContext, tenant: str | None) -> None:
+    tenant_id = _tenant_id(ctx, tenant)
+    with ctx.client() as client:
+        body = client.json("GET", "/admin/invoices",
+                           params={} if tenant_id is None else {"tenant_id": tenant_id})
+    _echo_table(_INVOICE_HEADERS, _invoice_rows(body["data"]))
+
+
+@invoices.command("show")
+@click.argument("invoice_id")
+@click.option("--format", "fmt", type=click.Choice(["json", "csv", "html"]), default="json",
+              show_default=True)
+@click.pass_obj
+def invoices_show(ctx: AdminContext, invoice_id: str, fmt: str) -> None:
+    """One invoice as JSON, CSV or a printable HTML page (redirect it to a file)."""
+    with ctx.client() as client:
+        response = client.send("GET", f"/admin/invoices/{invoice_id}", params={"format": fmt})
+    if fmt == "json":
+        _echo_json(response.json())
+    else:
+        click.echo(response.text, nl=False)
