@@ -47,6 +47,8 @@ log = logging.getLogger("loraplex.gateway")
 
 # A route chosen at admission whose request never started (client gone) is dropped after.
 _PIN_TTL_S = 60.0
+# How long shutdown waits for its background tasks to end after cancelling them.
+_SHUTDOWN_WAIT_S = 5.0
 
 
 @dataclass(slots=True)
@@ -125,7 +127,9 @@ class RemoteEngine:
 
     async def _refresh_loop(self) -> None:
         failing = False
-        while True:
+        # NOTE: the flag as well as the cancellation ends the loop: a cancellation that a
+        # library absorbs mid-read must not leave shutdown() waiting for ever.
+        while self._started:
             await asyncio.sleep(self.refresh_interval_s)
             try:
                 await self.refresh()
@@ -142,7 +146,11 @@ class RemoteEngine:
         tasks = [t for t in [task, *self._tasks] if t is not None]
         for t in tasks:
             t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=_SHUTDOWN_WAIT_S)
+            if pending:
+                log.warning("%d background task(s) did not stop within %.0f s of shutdown",
+                            len(pending), _SHUTDOWN_WAIT_S)
         await self._http.aclose()
         await self._redis.aclose()
 

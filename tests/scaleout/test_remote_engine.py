@@ -144,9 +144,12 @@ async def _wait_for(condition: Callable[[], bool], timeout: float = 5.0) -> floa
 async def _run(engine: RemoteEngine, request_id: str, *, adapter: str | None = None,
                max_tokens: int = 3) -> list[RequestOutput]:
     outputs = []
-    async for out in engine.generate(request_id, list(b"hello"),
-                                     SamplingParams(max_tokens=max_tokens), adapter_id=adapter):
-        outputs.append(out)
+    # A stuck call fails with the await it is stuck in, instead of stalling the run.
+    async with asyncio.timeout(30):
+        async for out in engine.generate(request_id, list(b"hello"),
+                                         SamplingParams(max_tokens=max_tokens),
+                                         adapter_id=adapter):
+            outputs.append(out)
     return outputs
 
 
