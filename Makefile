@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install browser demo serve test test-fast lint bench clean
+.PHONY: install system-deps demo serve test test-fast lint bench clean
 
 install: $(STAMP)
 
@@ -25,12 +25,16 @@ demo: install
 serve: install
 	$(BIN)/loraplex serve --no-auth
 
-# The admin UI's browser tests drive Debian's Chromium (never a downloaded browser).
-browser:
-	@test -x /usr/bin/chromium || (apt-get install -y -q chromium >/dev/null || \
-	  (apt-get update -q >/dev/null && apt-get install -y -q chromium >/dev/null))
+# What the tests need from Debian: Chromium for the admin UI's browser tests (never a
+# downloaded browser), promtool (package prometheus) to check the alert rules.
+SYSTEM_PACKAGES := chromium prometheus
+system-deps:
+	@if ! test -x /usr/bin/chromium || ! command -v promtool >/dev/null; then \
+	  apt-get install -y -q --no-install-recommends $(SYSTEM_PACKAGES) >/dev/null || \
+	  (apt-get update -q >/dev/null && \
+	   apt-get install -y -q --no-install-recommends $(SYSTEM_PACKAGES) >/dev/null); fi
 
-test: install browser
+test: install system-deps
 	$(BIN)/pytest -q -ra
 
 test-fast: install

@@ -16,6 +16,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Resp
 from admin_ui.sessions import DEFAULT_TTL_S, SessionSigner, UISession
 from admin_ui.throttle import LoginThrottle
 from app.api.errors import APIError
+from app.billing.render import quantity_text, unit_price_text
 
 PREFIX = "/admin/ui"
 STATIC_PREFIX = PREFIX + "/static"
@@ -96,6 +97,8 @@ def make_templates() -> jinja2.Environment:
     env.filters["when"] = _when
     env.filters["num"] = _num
     env.filters["size"] = _size
+    env.filters["quantity"] = quantity_text
+    env.filters["unit_price"] = unit_price_text
     env.globals.update(prefix=PREFIX, static=STATIC_PREFIX, nav=NAV)
     return env
 

@@ -26,6 +26,7 @@ class utc_day(_UtcText):
     """The UTC date of a timestamp, 'YYYY-MM-DD'."""
 
     name = "utc_day"
+    inherit_cache = True
     sqlite_format = "%Y-%m-%d"
     postgresql_format = "YYYY-MM-DD"
 
@@ -34,6 +35,7 @@ class utc_month(_UtcText):
     """The UTC month of a timestamp, 'YYYY-MM' (a billing period)."""
 
     name = "utc_month"
+    inherit_cache = True
     sqlite_format = "%Y-%m"
     postgresql_format = "YYYY-MM"
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import decimal
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from decimal import ROUND_HALF_EVEN, Decimal
 from typing import Literal
@@ -130,6 +130,9 @@ class InvoiceLine(BaseModel):
     adapter_id: str | None = None
     # The month the charge belongs to: the invoice's period except for adjustments.
     incurred_in: str
+    # Token lines: the tokens counted (quantity is this in millions), so that a reader can
+    # check the line against the usage report.
+    tokens: int | None = None
 
 
 class Invoice(BaseModel):
@@ -188,6 +191,7 @@ def _token_line(
         amount=line_amount(quantity, price, currency),
         adapter_id=adapter_id,
         incurred_in=incurred_in,
+        tokens=tokens,
     )
 
 
@@ -206,8 +210,13 @@ def _tiered_lines(plan: PricePlan, volume: dict[TokenKind, int], period: str) ->
     return lines
 
 
+def _adapter_label(adapter_id: str, names: Mapping[str, str]) -> str:
+    name = names.get(adapter_id)
+    return f"{name} ({adapter_id})" if name else adapter_id
+
+
 def _usage_lines(
-    plan: PricePlan, rows: Iterable[BillableUsage], period: str
+    plan: PricePlan, rows: Iterable[BillableUsage], period: str, names: Mapping[str, str]
 ) -> tuple[list[InvoiceLine], list[InvoiceLine]]:
     """(this period's usage lines, late-usage adjustment lines)."""
     tiered: dict[TokenKind, int] = defaultdict(int)
@@ -227,7 +236,9 @@ def _usage_lines(
             continue
         adapter_id = adapter or None
         prices: TokenPrices = plan.adapter_overrides.get(adapter, plan.base_prices)
-        label = _KIND_LABEL[kind] + (f", adapter {adapter_id}" if adapter_id else "")
+        label = _KIND_LABEL[kind] + (
+            f", adapter {_adapter_label(adapter_id, names)}" if adapter_id else ""
+        )
         if incurred == period:
             current.append(
                 _token_line(
@@ -250,7 +261,7 @@ def _usage_lines(
 
 
 def _hosting_lines(
-    plan: PricePlan, hosted: Iterable[HostedAdapter], period: str
+    plan: PricePlan, hosted: Iterable[HostedAdapter], period: str, names: Mapping[str, str]
 ) -> list[InvoiceLine]:
     months: dict[str, Decimal] = defaultdict(Decimal)
     for item in hosted:
@@ -258,7 +269,7 @@ def _hosting_lines(
     return [
         InvoiceLine(
             kind="hosting",
-            description=f"adapter hosting, {adapter_id}",
+            description=f"adapter hosting, {_adapter_label(adapter_id, names)}",
             quantity=quantity,
             unit_price=plan.adapter_month,
             amount=line_amount(quantity, plan.adapter_month, plan.currency),
@@ -285,8 +296,10 @@ def build_invoice(
     usage: Sequence[BillableUsage],
     adapters_hosted: Sequence[HostedAdapter] = (),
     previous_adjustments: Sequence[Adjustment] = (),
+    adapter_names: Mapping[str, str] | None = None,
 ) -> Invoice:
     """The invoice for ``tenant_id`` in ``period`` (a draft; see ``Invoice.finalized``).
+    ``adapter_names`` (adapter id -> name) only labels the lines of those adapters.
 
     ``usage`` holds the rows billed in ``period`` (rows of other periods are a caller bug and
     raise ValueError). The result does not depend on the order of any input.
@@ -296,8 +309,9 @@ def build_invoice(
     if stray:
         raise ValueError(f"usage billed in {stray} passed to the invoice for {period}")
     currency = plan.currency
-    current, late = _usage_lines(plan, usage, period)
-    current += _hosting_lines(plan, adapters_hosted, period)
+    names = adapter_names or {}
+    current, late = _usage_lines(plan, usage, period, names)
+    current += _hosting_lines(plan, adapters_hosted, period, names)
     subtotal = _sum((line.amount for line in current), currency)
 
     minimum = round_amount(plan.monthly_minimum, currency)

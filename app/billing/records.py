@@ -170,6 +170,15 @@ def _covered_seconds(
     return covered
 
 
+def adapter_names(session: Session, adapter_ids: Iterable[str]) -> dict[str, str]:
+    """Names of adapters (deleted ones too: an invoice may bill their last month)."""
+    ids = sorted(set(adapter_ids))
+    if not ids:
+        return {}
+    rows = session.execute(select(Adapter.id, Adapter.name).where(Adapter.id.in_(ids)))
+    return {adapter_id: name for adapter_id, name in rows.tuples()}
+
+
 def hosted_adapters(session: Session, tenant_id: str, period: str) -> list[HostedAdapter]:
     """The tenant's own adapters hosted in ``period``, each for its share of the month."""
     start, end = month_start(period), month_start(next_period(period))

@@ -8,11 +8,14 @@ from datetime import UTC, datetime
 from html import escape
 from typing import TYPE_CHECKING
 
+from app.billing.invoice import InvoiceLine
+
 if TYPE_CHECKING:
     from app.billing.service import InvoiceView
 
 CSV_COLUMNS = (
-    "kind", "description", "adapter_id", "incurred_in", "quantity", "unit_price", "amount",
+    "kind", "description", "adapter_id", "incurred_in", "tokens", "quantity", "unit_price",
+    "amount",
 )
 # Cells a spreadsheet could take for a formula (CSV injection).
 _FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
@@ -36,7 +39,7 @@ def invoice_csv(view: InvoiceView) -> str:
         values = line.model_dump(mode="json")
         writer.writerow([_cell(column, values[column]) for column in CSV_COLUMNS])
     writer.writerow(["total", f"{view.currency} total, {view.status}", "", view.period,
-                     "", "", str(view.total)])
+                     "", "", "", str(view.total)])
     return buffer.getvalue()
 
 
@@ -59,6 +62,23 @@ tfoot tr.total td { font-weight: 700; font-size: 1.1rem; border-top: 2px solid #
 """
 
 
+def quantity_text(line: InvoiceLine) -> str:
+    """What a line counts, in the units a reader checks it in."""
+    if line.tokens is not None:
+        return f"{line.tokens:,} tokens"
+    if line.kind == "hosting":
+        return f"{line.quantity} adapter-months"
+    return str(line.quantity)
+
+
+def unit_price_text(line: InvoiceLine) -> str:
+    if line.tokens is not None:
+        return f"{line.unit_price} per 1M tokens"
+    if line.kind == "hosting":
+        return f"{line.unit_price} per adapter-month"
+    return str(line.unit_price)
+
+
 def _money(view: InvoiceView, amount: object) -> str:
     return f"{escape(str(amount))} {escape(view.currency)}"
 
@@ -79,8 +99,8 @@ def invoice_html(view: InvoiceView) -> str:
         "<tr>"
         f"<td>{escape(line.description)}</td>"
         f"<td>{escape(line.incurred_in)}</td>"
-        f'<td class="num">{escape(str(line.quantity))}</td>'
-        f'<td class="num">{escape(str(line.unit_price))}</td>'
+        f'<td class="num">{escape(quantity_text(line))}</td>'
+        f'<td class="num">{escape(unit_price_text(line))}</td>'
         f'<td class="num">{_money(view, line.amount)}</td>'
         "</tr>"
         for line in view.lines
@@ -118,8 +138,8 @@ def invoice_html(view: InvoiceView) -> str:
 <td class="num" id="invoice-total">{_money(view, view.total)}</td></tr>
 </tfoot>
 </table>
-<p class="meta">Token quantities are millions of tokens, hosting quantities adapter-months;
-each amount is rounded half-to-even to the currency's minor unit.</p>
+<p class="meta">Each amount is tokens / 1,000,000 (or adapter-months) times the unit
+price, rounded half-to-even to the currency's minor unit.</p>
 </body>
 </html>
 """

@@ -47,7 +47,7 @@ from app.billing.catalog import (
     require_plan,
     tenant_plan,
 )
-from app.billing.invoice import Invoice, InvoiceLine, build_invoice
+from app.billing.invoice import BillableUsage, Invoice, InvoiceLine, build_invoice
 from app.billing.periods import check_period
 from app.billing.plans import PricePlan
 from app.models import InvoiceRecord, new_id, utcnow
@@ -136,12 +136,21 @@ def _invoice_row(session: Session, tenant_id: str, period: str) -> InvoiceRecord
 
 def _draft(session: Session, tenant_id: str, period: str, plan: PricePlan) -> Invoice:
     window = records.billing_window(period, records.finalized_periods(session, tenant_id))
+    return _build(session, tenant_id, period, plan,
+                  records.unbilled_usage(session, tenant_id, window))
+
+
+def _build(session: Session, tenant_id: str, period: str, plan: PricePlan,
+           usage: list[BillableUsage]) -> Invoice:
+    hosted = records.hosted_adapters(session, tenant_id, period)
+    ids = [row.adapter_id for row in usage if row.adapter_id] + [h.adapter_id for h in hosted]
     return build_invoice(
         tenant_id=tenant_id,
         period=period,
         plan=plan,
-        usage=records.unbilled_usage(session, tenant_id, window),
-        adapters_hosted=records.hosted_adapters(session, tenant_id, period),
+        usage=usage,
+        adapters_hosted=hosted,
+        adapter_names=records.adapter_names(session, ids),
     )
 
 
@@ -235,12 +244,9 @@ def finalize_invoice(
     finalized = records.finalized_periods(session, row.tenant_id) - {row.period}
     window = records.billing_window(row.period, finalized)
     records.claim_usage(session, row.tenant_id, window, invoice_id)
-    invoice = build_invoice(
-        tenant_id=row.tenant_id,
-        period=row.period,
-        plan=plan,
-        usage=records.claimed_usage(session, invoice_id, row.period),
-        adapters_hosted=records.hosted_adapters(session, row.tenant_id, row.period),
+    invoice = _build(
+        session, row.tenant_id, row.period, plan,
+        records.claimed_usage(session, invoice_id, row.period),
     ).finalized()
     session.execute(
         update(InvoiceRecord)

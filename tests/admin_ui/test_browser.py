@@ -383,3 +383,102 @@ def test_a_post_without_the_csrf_token_is_refused(service: Service,
     with service.api() as api:
         names = {t["name"] for t in api.get("/admin/tenants").json()["data"]}
     assert "csrf-ok" in names and "csrf-victim" not in names
+
+
+# ------------------------------------------------------------------------- accessibility
+
+
+# Controls a person must be told the purpose of, and how each page can fall short.
+_AUDIT_JS = """() => {
+  const problems = [];
+  const named = (el) => (el.getAttribute('aria-label') || el.getAttribute('aria-labelledby')
+                         || (el.labels && el.labels.length > 0));
+  for (const el of document.querySelectorAll('input, select, textarea')) {
+    if (['hidden', 'submit', 'button'].includes(el.type)) continue;
+    if (!named(el)) problems.push('unlabelled ' + el.tagName + ' ' + (el.name || el.id));
+  }
+  for (const el of document.querySelectorAll('button, a[href]')) {
+    const text = (el.textContent || '').trim() || el.getAttribute('aria-label');
+    if (!text) problems.push('nameless ' + el.tagName + ' ' + el.outerHTML.slice(0, 80));
+  }
+  for (const svg of document.querySelectorAll('main svg')) {
+    const titled = svg.getAttribute('aria-label') || svg.querySelector('title')
+                   || svg.getAttribute('aria-labelledby');
+    if (svg.getAttribute('aria-hidden') !== 'true' && !(svg.getAttribute('role') === 'img'
+        && titled)) problems.push('chart without a text alternative');
+  }
+  if (document.querySelectorAll('h1').length !== 1) problems.push('not exactly one h1');
+  if (!document.documentElement.lang) problems.push('no lang on <html>');
+  if (!document.querySelector('main')) problems.push('no <main> landmark');
+  if (!document.querySelector('nav[aria-label]')) problems.push('no labelled <nav>');
+  const ids = [...document.querySelectorAll('[id]')].map((el) => el.id);
+  const dupes = ids.filter((id, i) => ids.indexOf(id) !== i);
+  if (dupes.length) problems.push('duplicate ids ' + dupes.join(','));
+  return problems;
+}"""
+
+
+def test_every_page_names_its_controls_charts_and_landmarks(
+    service: Service, context: BrowserContext
+) -> None:
+    with service.api() as api:
+        tenant = api.post("/admin/tenants", json={"name": "audited", "plan": PLAN["name"]})
+        assert tenant.status_code == 201, tenant.text
+        tenant_id = tenant.json()["id"]
+    page = context.new_page()
+    _log_in(page)
+    pages = ["/", "/tenants", f"/tenants/{tenant_id}", f"/tenants/{tenant_id}/keys",
+             "/adapters", "/playground", "/usage", "/invoices"]
+    found = {}
+    for path in pages:
+        page.goto(UI + path)
+        expect(page.get_by_role("heading", level=1)).to_be_visible()
+        found[path] = page.evaluate(_AUDIT_JS)
+    assert found == {path: [] for path in pages}
+
+
+def _tab_to(page: Page, describe: str, is_target: str, max_presses: int = 60) -> None:
+    """Press Tab until the focused element satisfies the JS predicate `is_target(el)`."""
+    for _ in range(max_presses):
+        page.keyboard.press("Tab")
+        if page.evaluate(f"(() => {{ const el = document.activeElement; return {is_target}; }})()"):
+            return
+    raise AssertionError(f"Tab never reached {describe}")
+
+
+def test_the_keyboard_alone_logs_in_creates_a_tenant_and_logs_out(
+    service: Service, context: BrowserContext
+) -> None:
+    page = context.new_page()
+    page.goto(f"{UI}/login")
+    _tab_to(page, "the admin key field", "el.labels && el.labels[0]?.textContent.trim() === "
+            "'Admin key'")
+    page.keyboard.type(ADMIN_KEY)
+    page.keyboard.press("Enter")
+    expect(page.get_by_role("heading", level=1)).to_have_text("Overview")
+
+    # The skip link comes first and moves focus past the navigation.
+    page.keyboard.press("Tab")
+    assert page.evaluate("document.activeElement.textContent.trim()") == "Skip to content"
+    _tab_to(page, "the Tenants link", "el.tagName === 'A' && el.textContent.trim() === 'Tenants'")
+    page.keyboard.press("Enter")
+    expect(page.get_by_role("heading", level=1)).to_have_text("Tenants")
+
+    _tab_to(page, "the tenant name field", "el.id === 'tenant-name'")
+    page.keyboard.type("keyboard-only")
+    # Arrow keys choose in a focused select, as a keyboard user would.
+    page.keyboard.press("Tab")
+    assert page.evaluate("document.activeElement.id") == "tenant-tier"
+    page.keyboard.press("Home")
+    _tab_to(page, "the create button", "el.tagName === 'BUTTON' && el.textContent.trim() === "
+            "'Create tenant'")
+    page.keyboard.press("Enter")
+    expect(page.get_by_role("status")).to_have_text("Tenant created.")
+    with service.api() as api:
+        names = {t["name"]: t for t in api.get("/admin/tenants").json()["data"]}
+    assert "keyboard-only" in names
+
+    _tab_to(page, "the log out button", "el.tagName === 'BUTTON' && el.textContent.trim() === "
+            "'Log out'")
+    page.keyboard.press("Enter")
+    expect(page.get_by_label("Admin key")).to_be_visible()

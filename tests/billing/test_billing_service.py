@@ -204,10 +204,11 @@ def add_adapter(
     tenant_id: str | None,
     versions: list[tuple[AdapterStatus, datetime, datetime, dict[str, str]]],
     adapter_id: str | None = None,
+    name: str | None = None,
 ) -> str:
     with session_scope(db) as session:
         adapter = Adapter(id=adapter_id or new_id("ad"), tenant_id=tenant_id,
-                          owner=tenant_id or "shared", name=new_id("name"))
+                          owner=tenant_id or "shared", name=name or new_id("name"))
         session.add(adapter)
         session.flush()
         for number, (status, created, updated, report) in enumerate(versions, start=1):
@@ -259,7 +260,8 @@ def test_invoice_from_rows_equals_the_core_invoice(db: sessionmaker[Session]) ->
     new_plan(db)
     tenant = new_tenant(db, "acme")
     other = new_tenant(db, "globex")
-    hosted = add_adapter(db, tenant, [(AdapterStatus.READY, OCT_5, OCT_5, {})])
+    hosted = add_adapter(db, tenant, [(AdapterStatus.READY, OCT_5, OCT_5, {})],
+                         name="support-bot")
     rows = [
         (NOV_1, None, 700_000, 90_000, 100_000),
         (NOV_1 + timedelta(days=3), hosted, 600_000, 10_000, 0),
@@ -277,9 +279,25 @@ def test_invoice_from_rows_equals_the_core_invoice(db: sessionmaker[Session]) ->
     expected = build_invoice(
         tenant_id=tenant, period=NOV, plan=plan_of(db), usage=billable(rows, NOV),
         adapters_hosted=[HostedAdapter(adapter_id=hosted, months=Decimal(1))],
+        adapter_names={hosted: "support-bot"},
     )
     assert same_invoice(view, expected)
     assert {line.kind for line in view.lines} >= {"prompt", "completion", "hosting"}
+    # Lines name the adapter (an id without a row stays an id) and count their tokens.
+    described = {(line.kind, line.adapter_id): line for line in view.lines}
+
+    def tokens(kind: str) -> int:  # over the plan's volume bands
+        return sum(line.tokens or 0 for line in view.lines
+                   if line.kind == kind and line.adapter_id is None)
+
+    assert described[("hosting", hosted)].description == (
+        f"adapter hosting, support-bot ({hosted})"
+    )
+    assert described[("prompt", OVERRIDDEN)].description.endswith(f"adapter {OVERRIDDEN}")
+    # Prompt lines count the uncached prompt tokens; cached ones have their own line.
+    assert described[("prompt", OVERRIDDEN)].tokens == 333_333 - 11_111
+    assert tokens("prompt") == (700_000 - 100_000) + 600_000 + (1 - 1)
+    assert tokens("cached_prompt") == 100_000 + 1
     assert view.status == "draft" and view.finalized_at is None
     assert_adds_up(view)
 
