@@ -6,6 +6,7 @@ codes, and the thin commands over tenants, keys, adapters, usage and invoices.""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import json
 import re
@@ -62,9 +63,18 @@ def served(
 ) -> Iterator[Served]:
     base = tiny_model_factory("llama_gqa")
     root = tmp_path_factory.mktemp("admin_cli")
-    engine = AsyncEngine(EngineConfig(
-        model=str(base), device="cpu", max_loras=2, max_lora_rank=MAX_LORA_RANK,
-    ))
+    config = EngineConfig(model=str(base), device="cpu", max_loras=2,
+                          max_lora_rank=MAX_LORA_RANK)
+    with _serving(config, root) as url:
+        response = httpx.post(f"{url}/admin/plans", json=PLAN, headers=bearer(ADMIN_KEY))
+        assert response.status_code == 201, response.text
+        yield Served(url, base, root)
+
+
+@contextlib.contextmanager
+def _serving(config: EngineConfig, root: Path) -> Iterator[str]:
+    """The app with a real engine over real HTTP, its database and data under `root`."""
+    engine = AsyncEngine(config)
     engine.start_sync()
     settings = Settings(
         data_dir=root / "data", database_url=f"sqlite:///{root / 'data' / 'db.sqlite'}",
@@ -72,9 +82,7 @@ def served(
     )
     try:
         with serve_in_thread(create_app(engine, settings)) as url:
-            response = httpx.post(f"{url}/admin/plans", json=PLAN, headers=bearer(ADMIN_KEY))
-            assert response.status_code == 201, response.text
-            yield Served(url, base, root)
+            yield url
     finally:
         asyncio.run(engine.shutdown())
 
@@ -301,20 +309,12 @@ def test_push_on_smollm2_smoke_answers_differ(
 ) -> None:
     root = tmp_path_factory.mktemp("admin_cli_smollm2")
     adapter_dir = make_peft_adapter(smollm2_dir, root / "tuned", r=8, alpha=16, seed=21)
-    engine = AsyncEngine(EngineConfig(model=str(smollm2_dir), max_loras=2, max_num_seqs=4))
-    engine.start_sync()
-    settings = Settings(
-        data_dir=root / "data", database_url=f"sqlite:///{root / 'data' / 'db.sqlite'}",
-        admin_key=ADMIN_KEY, secret_key=SECRET_KEY,
-    )
-    try:
-        with serve_in_thread(create_app(engine, settings)) as url:
-            served = Served(url, smollm2_dir, root)
-            assert served.cli("tenants", "create", "bakery").exit_code == 0
-            result = served.cli("adapters", "push", str(adapter_dir), "--tenant", "bakery",
-                                "--name", "baker", "--max-tokens", "16")
-    finally:
-        asyncio.run(engine.shutdown())
+    config = EngineConfig(model=str(smollm2_dir), max_loras=2, max_num_seqs=4)
+    with _serving(config, root) as url:
+        served = Served(url, smollm2_dir, root)
+        assert served.cli("tenants", "create", "bakery").exit_code == 0
+        result = served.cli("adapters", "push", str(adapter_dir), "--tenant", "bakery",
+                            "--name", "baker", "--max-tokens", "16")
     assert result.exit_code == 0, result.output
     out = result.stdout
     assert re.search(r"^SmolLM2-135M-Instruct +\| baker@1$", out, re.M), out
