@@ -25,6 +25,9 @@ from tests.utils.fake_engine import FakeEngine
 from tests.utils.live_server import serve_in_thread
 from tests.utils.tcp_proxy import TcpProxy
 
+# A test stuck past the watchdog's limit prints where each of its tasks is waiting.
+pytestmark = pytest.mark.usefixtures("event_loop_watchdog")
+
 TOKEN = "worker-token-0123456789abcdef"
 MODEL = "fake-model"
 INTERVAL_S = 0.1
