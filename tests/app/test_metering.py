@@ -462,11 +462,15 @@ CHILD = textwrap.dedent("""
     from app.metering import UsageRecorder
     from tests.app.test_metering import make_event
 
-    url, spool, count = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    url, spool, delivered, count = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     recorder = UsageRecorder(session_factory(make_engine(url)), __import__("pathlib").Path(spool),
                              batch_size=50, flush_interval_s=3600)
     recorder.start()
-    for i in range(count):
+    for i in range(delivered):
+        recorder.record(make_event(i))
+    assert recorder.flush(timeout_s=60)
+    # Fewer than a batch, with an hour to the next cycle: these stay in the spool file.
+    for i in range(delivered, count):
         recorder.record(make_event(i))
     print("recorded", flush=True)
     __import__("time").sleep(600)
@@ -478,9 +482,10 @@ def test_a_killed_process_loses_nothing(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     spool = tmp_path / "spool"
-    count = 230  # 4 full batches (delivered, or caught mid-delivery) and 30 in the file
+    # 4 batches' worth delivered before the kill, 30 more only in the spool file.
+    delivered, count = 200, 230
     child = subprocess.Popen(
-        [sys.executable, "-c", CHILD, database_url, str(spool), str(count)],
+        [sys.executable, "-c", CHILD, database_url, str(spool), str(delivered), str(count)],
         cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True,
     )
     try:
@@ -490,6 +495,7 @@ def test_a_killed_process_loses_nothing(
         child.send_signal(signal.SIGKILL)
         child.wait(timeout=30)
     assert child.returncode == -signal.SIGKILL
+    assert db_totals(db) == expected_totals([make_event(i) for i in range(delivered)])
     leftovers = segment_files(spool)
     assert leftovers, "the undelivered tail is in the spool"
     # A write torn by the crash: half a line at the end of the last segment.
