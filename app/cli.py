@@ -10,7 +10,7 @@ import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import Any, Protocol
 
 import click
 import uvicorn
@@ -28,6 +28,17 @@ logger = logging.getLogger("loraplex")
 _EXIT_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
+class ListenSettings(Protocol):
+    """What a server needs of Settings or WorkerSettings."""
+
+    @property
+    def host(self) -> str: ...
+    @property
+    def port(self) -> int: ...
+    @property
+    def drain_timeout_s(self) -> float: ...
+
+
 class DrainingServer(uvicorn.Server):
     """uvicorn, plus: on SIGTERM/SIGINT the app starts draining before the socket closes.
 
@@ -39,12 +50,19 @@ class DrainingServer(uvicorn.Server):
     def __init__(
         self,
         app: FastAPI,
-        config: uvicorn.Config,
+        settings: ListenSettings,
         *,
         on_exit: Callable[[], None] | None = None,
     ) -> None:
-        """on_exit: what to do first on SIGTERM/SIGINT (default: the API app's drain)."""
-        super().__init__(config)
+        """Serve `app` on settings.host:port, with settings.drain_timeout_s to drain.
+        on_exit: what to do first on SIGTERM/SIGINT (default: the API app's drain)."""
+        super().__init__(uvicorn.Config(
+            app,
+            host=settings.host,
+            port=settings.port,
+            timeout_graceful_shutdown=settings.drain_timeout_s,  # type: ignore[arg-type]
+            log_level="info",
+        ))
         self._app = app
         self._on_exit = on_exit
 
@@ -73,16 +91,7 @@ class DrainingServer(uvicorn.Server):
 
 async def serve_app(app: FastAPI, engine: EngineClient, settings: Settings) -> None:
     """Serve until SIGTERM/SIGINT, drain, then shut the engine down."""
-    server = DrainingServer(
-        app,
-        uvicorn.Config(
-            app,
-            host=settings.host,
-            port=settings.port,
-            timeout_graceful_shutdown=settings.drain_timeout_s,  # type: ignore[arg-type]
-            log_level="info",
-        ),
-    )
+    server = DrainingServer(app, settings)
     try:
         await server.serve()
     finally:

@@ -11,7 +11,6 @@ from typing import Any
 
 import click
 import redis.asyncio as aioredis
-import uvicorn
 from pydantic import ValidationError
 
 from app.cli import (
@@ -165,17 +164,7 @@ async def serve_worker(
         begin_drain(app)
         publisher.withdraw_soon()
 
-    server = DrainingServer(
-        app,
-        uvicorn.Config(
-            app,
-            host=settings.host,
-            port=settings.port,
-            timeout_graceful_shutdown=settings.drain_timeout_s,  # type: ignore[arg-type]
-            log_level="info",
-        ),
-        on_exit=on_exit,
-    )
+    server = DrainingServer(app, settings, on_exit=on_exit)
     try:
         serving = asyncio.create_task(server.serve())
         while not server.started and not serving.done():

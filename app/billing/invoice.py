@@ -173,6 +173,11 @@ def _mtok(tokens: int) -> Decimal:
     return _EXACT.divide(Decimal(tokens), _MTOK)
 
 
+def token_amount(tokens: int, price_per_mtok: Decimal, currency: str) -> Decimal:
+    """What `tokens` cost at a price per million tokens: one line's rounded amount."""
+    return line_amount(_mtok(tokens), price_per_mtok, currency)
+
+
 def _token_line(
     kind: LineKind,
     description: str,

@@ -69,13 +69,7 @@ async def _serve(
     await engine.start()
     try:
         app = create_app(engine, settings)
-        server = DrainingServer(app, uvicorn.Config(
-            app,
-            host=settings.host,
-            port=settings.port,
-            timeout_graceful_shutdown=settings.drain_timeout_s,  # type: ignore[arg-type]
-            log_level="info",
-        ))
+        server = DrainingServer(app, settings)
         serving = asyncio.create_task(server.serve())
         # NOTE: set up inside the running server: uploads go through its registry, which
         # validates them in its engine, exactly as POST /admin/adapters would.

@@ -20,7 +20,7 @@ from pydantic import BaseModel
 from sqlalchemy import ColumnElement, case, func, select
 from sqlalchemy.orm import QueryableAttribute, Session
 
-from app.billing.invoice import line_amount, round_amount
+from app.billing.invoice import round_amount, token_amount
 from app.billing.plans import TOKEN_KINDS, PricePlan
 from app.billing.records import tenant_plans
 from app.models import Adapter, ApiKey, UsageRecord, UsageStatus
@@ -201,9 +201,7 @@ def list_price(
     total = Decimal(0)
     for kind in TOKEN_KINDS:
         if tokens[kind]:
-            total += line_amount(
-                Decimal(tokens[kind]).scaleb(-6), prices.per_mtok(kind), plan.currency
-            )
+            total += token_amount(tokens[kind], prices.per_mtok(kind), plan.currency)
     return total
 
 
