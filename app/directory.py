@@ -108,6 +108,14 @@ class Directory:
             changes = self._query(self._watermark - REFRESH_OVERLAP)
             self._install(merge(self._snap, changes, full=False), changes, started)
 
+    def refresh_after_write(self) -> None:
+        """After a committed change: this replica sees it now, not at the next poll.
+        Best effort (blocking): if the read fails, the background refresh picks it up."""
+        try:
+            self.refresh()
+        except Exception:
+            logger.warning("directory refresh after a committed change failed", exc_info=True)
+
     def _load_locked(self) -> None:
         started = utcnow()
         changes = self._query(None)

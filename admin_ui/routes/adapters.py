@@ -10,7 +10,7 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response
 
 from admin_ui.deps import AuthedDep, CheckedForm, CsrfHeaderAuthed
 from admin_ui.web import PREFIX, render
-from admin_ui.writes import by, refresh_directory
+from admin_ui.writes import by
 from app import tenants as crud
 from app.api.deps import SessionDep
 from app.api.routes.adapters import upload_for_admin
@@ -61,5 +61,5 @@ def adapter_page(adapter_id: str, request: Request, authed: AuthedDep, session: 
 async def delete_adapter(adapter_id: str, request: Request, authed: AuthedDep,
                          form: CheckedForm, state: AppStateDep) -> Response:
     await state.registry.delete(adapter_id, owner=None, by=by(request, authed))
-    await asyncio.to_thread(refresh_directory, state)
+    await asyncio.to_thread(state.directory.refresh_after_write)
     return RedirectResponse(f"{PREFIX}/adapters?deleted={adapter_id}", status_code=303)

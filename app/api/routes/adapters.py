@@ -9,7 +9,6 @@ general body limit (see UPLOAD_PATHS) and are streamed to disk under their own.
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Annotated
@@ -39,7 +38,6 @@ TENANT_ADAPTERS = "/v1/adapters"
 # For RequestContextMiddleware(unlimited_paths=...): these enforce their own limit.
 UPLOAD_PATHS = frozenset({ADMIN_ADAPTERS, TENANT_ADAPTERS})
 
-logger = logging.getLogger(__name__)
 
 router = APIRouter()
 
@@ -57,12 +55,7 @@ def _audit_context(request: Request, principal: Principal) -> AuditContext:
 
 
 async def _refresh(state: AppState) -> None:
-    """After a change: this replica's directory sees it now, not at the next poll."""
-    try:
-        await asyncio.to_thread(state.directory.refresh)
-    except Exception:
-        # The change is committed; the background refresh will pick it up.
-        logger.warning("directory refresh after an adapter change failed", exc_info=True)
+    await asyncio.to_thread(state.directory.refresh_after_write)
 
 
 def _own(principal: Principal) -> str:

@@ -7,8 +7,6 @@ the change takes effect here at once (other replicas see it on their next refres
 
 from __future__ import annotations
 
-import logging
-
 from fastapi import APIRouter, Request, Response
 
 from app import tenants as crud
@@ -25,12 +23,10 @@ from app.api.schemas.tenants import (
     TenantOut,
     TenantUpdate,
 )
-from app.api.state import AppState, AppStateDep
+from app.api.state import AppStateDep
 from app.audit import AuditContext, list_audit
 from app.billing.service import require_plan
 from app.core.principal import Principal
-
-logger = logging.getLogger(__name__)
 
 router = APIRouter(prefix="/admin", tags=["admin"])
 
@@ -43,15 +39,6 @@ def _by(request: Request, principal: Principal) -> AuditContext:
     return AuditContext(
         actor=principal.actor, request_id=getattr(request.state, "request_id", None)
     )
-
-
-def _refresh(state: AppState) -> None:
-    """After a commit: this replica sees the change now, not at the next poll."""
-    try:
-        state.directory.refresh()
-    except Exception:
-        # The change is committed; the background refresh will pick it up.
-        logger.warning("directory refresh after an admin write failed", exc_info=True)
 
 
 # ----------------------------------------------------------------------------- tenants
@@ -76,7 +63,7 @@ def create_tenant(
         by=_by(request, principal),
     )
     session.commit()
-    _refresh(state)
+    state.directory.refresh_after_write()
     return TenantOut.of(row)
 
 
@@ -116,7 +103,7 @@ def update_tenant(
         session, tenant_id=tenant_id, patch=patch, by=_by(request, principal)
     )
     session.commit()
-    _refresh(state)
+    state.directory.refresh_after_write()
     return TenantOut.of(row)
 
 
@@ -130,7 +117,7 @@ def delete_tenant(
 ) -> Response:
     crud.delete_tenant(session, tenant_id=tenant_id, by=_by(request, principal))
     session.commit()
-    _refresh(state)
+    state.directory.refresh_after_write()
     return Response(status_code=204)
 
 
@@ -156,7 +143,7 @@ def create_tenant_key(
         by=_by(request, principal),
     )
     session.commit()
-    _refresh(state)
+    state.directory.refresh_after_write()
     return CreatedKeyOut(**KeyOut.fields_of(created.row), key=created.key)
 
 
@@ -184,7 +171,7 @@ def create_admin_key(
         by=_by(request, principal),
     )
     session.commit()
-    _refresh(state)
+    state.directory.refresh_after_write()
     return CreatedKeyOut(**KeyOut.fields_of(created.row), key=created.key)
 
 
@@ -203,7 +190,7 @@ def revoke_key(
 ) -> Response:
     crud.revoke_key(session, key_id=key_id, by=_by(request, principal))
     session.commit()
-    _refresh(state)
+    state.directory.refresh_after_write()
     return Response(status_code=204)
 
 
