@@ -11,8 +11,9 @@ uncached part (prompt - cached) is billed at the prompt price and the cached par
 cached-prompt price.
 
 Late usage: the caller tags each row with the period it is billed in (see
-``periods.billed_period``). Rows billed in this invoice's period but incurred in an earlier
-one appear as ``adjustment`` lines, priced flat at the plan's base (or the adapter's
+``periods.billed_period``; the database service applies the same rule to whole windows
+of rows, ``records.billing_window``). Rows billed in this invoice's period but incurred
+in an earlier one appear as ``adjustment`` lines, priced flat at the plan's base (or the adapter's
 override) prices: the earlier month's volume is closed. They are not counted towards this
 month's tiers or minimum. Manual credits and debits come in as ``Adjustment`` values.
 """

@@ -27,6 +27,17 @@ def next_period(period: str) -> str:
     return f"{year + 1:04d}-01" if month == 12 else f"{year:04d}-{month + 1:02d}"
 
 
+def previous_period(period: str) -> str:
+    year, month = (int(part) for part in check_period(period).split("-"))
+    return f"{year - 1:04d}-12" if month == 1 else f"{year:04d}-{month - 1:02d}"
+
+
+def month_start(period: str) -> datetime:
+    """The first moment (UTC) of a period."""
+    year, month = (int(part) for part in check_period(period).split("-"))
+    return datetime(year, month, 1, tzinfo=UTC)
+
+
 def billed_period(created_at: datetime, *, last_finalized: str | None) -> str:
     """The period a usage row is billed in.
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime
 from decimal import ROUND_HALF_EVEN, Decimal
 from typing import Any
 
@@ -20,7 +20,7 @@ from sqlalchemy import ColumnElement, and_, func, select, update
 from sqlalchemy.orm import Session
 
 from app.billing.invoice import BillableUsage, HostedAdapter
-from app.billing.periods import check_period, next_period
+from app.billing.periods import month_start, next_period, previous_period
 from app.billing.plans import PricePlan
 from app.models import (
     Adapter,
@@ -44,16 +44,6 @@ class BillingWindow:
     period: str
     start: datetime  # the start of the earliest month whose late usage lands here
     end: datetime  # the end of the period
-
-
-def month_start(period: str) -> datetime:
-    year, month = (int(part) for part in check_period(period).split("-"))
-    return datetime(year, month, 1, tzinfo=UTC)
-
-
-def previous_period(period: str) -> str:
-    year, month = (int(part) for part in check_period(period).split("-"))
-    return f"{year - 1:04d}-12" if month == 1 else f"{year:04d}-{month - 1:02d}"
 
 
 def finalized_periods(session: Session, tenant_id: str) -> set[str]:
