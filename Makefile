@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install system-deps demo serve test test-fast lint bench clean
+.PHONY: install system-deps demo serve test test-fast lint bench gpu-wheels clean
 
 install: $(STAMP)
 
@@ -46,6 +46,11 @@ lint: install
 
 bench: install
 	$(BIN)/loraplex bench throughput
+
+# Wheels for the GPU check's device machine (bench/gpu/requirements.txt; see
+# docs/BENCHMARKS.md, "GPU"): Python 3.12 x86-64, into bench/gpu/wheels/.
+gpu-wheels: install
+	PYTHON=$(BIN)/python bench/gpu/wheels.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

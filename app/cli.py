@@ -7,6 +7,7 @@ import contextlib
 import logging
 import signal
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import FrameType
@@ -26,6 +27,9 @@ from engine.config import EngineConfig
 logger = logging.getLogger("loraplex")
 
 _EXIT_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# A failed engine is reported on /health and /ready this long before the socket closes,
+# so that probes and load balancers see why the replica goes away.
+_FAILURE_GRACE_S = 1.0
 
 
 class ListenSettings(Protocol):
@@ -53,9 +57,12 @@ class DrainingServer(uvicorn.Server):
         settings: ListenSettings,
         *,
         on_exit: Callable[[], None] | None = None,
+        engine_failure: Callable[[], str | None] | None = None,
     ) -> None:
         """Serve `app` on settings.host:port, with settings.drain_timeout_s to drain.
-        on_exit: what to do first on SIGTERM/SIGINT (default: the API app's drain)."""
+        on_exit: what to do first on SIGTERM/SIGINT (default: the API app's drain).
+        engine_failure: polled while serving; once it names a reason the server drains
+        and stops as on SIGTERM, and `failure` holds the reason."""
         super().__init__(uvicorn.Config(
             app,
             host=settings.host,
@@ -65,13 +72,30 @@ class DrainingServer(uvicorn.Server):
         ))
         self._app = app
         self._on_exit = on_exit
+        self._engine_failure = engine_failure
+        self.failure: str | None = None
+        self._failed_at = 0.0
 
-    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+    def _begin_exit(self) -> None:
         if self._on_exit is not None:
             self._on_exit()
         else:
             begin_drain(self._app)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self._begin_exit()
         super().handle_exit(sig, frame)
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.failure is None and self._engine_failure is not None:
+            reason = self._engine_failure()
+            if reason is not None:
+                logger.critical("the engine failed (%s): draining, then exiting", reason)
+                self.failure, self._failed_at = reason, time.monotonic()
+                self._begin_exit()
+        if self.failure is not None and time.monotonic() - self._failed_at >= _FAILURE_GRACE_S:
+            self.should_exit = True
+        return await super().on_tick(counter)
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -89,13 +113,23 @@ class DrainingServer(uvicorn.Server):
                 signal.signal(sig, handler)
 
 
+class EngineFailed(click.ClickException):
+    """The engine failed for good: the process exits 1 so that its supervisor restarts it."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"the engine failed: {reason}")
+
+
 async def serve_app(app: FastAPI, engine: EngineClient, settings: Settings) -> None:
-    """Serve until SIGTERM/SIGINT, drain, then shut the engine down."""
-    server = DrainingServer(app, settings)
+    """Serve until SIGTERM/SIGINT, drain, then shut the engine down; raise EngineFailed
+    after draining if the engine failed."""
+    server = DrainingServer(app, settings, engine_failure=engine.failure)
     try:
         await server.serve()
     finally:
         await engine.shutdown()
+    if server.failure is not None:
+        raise EngineFailed(server.failure)
 
 
 async def serve_engine(

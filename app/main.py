@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
 from importlib.metadata import PackageNotFoundError, version
+from typing import Any
 
 from fastapi import FastAPI
 from sqlalchemy import Engine
@@ -16,6 +17,7 @@ from sqlalchemy import Engine
 import admin_ui
 from app.api.errors import install_exception_handlers
 from app.api.middleware import RequestContextMiddleware
+from app.api.openapi import install_openapi
 from app.api.routes import (
     adapters,
     admin_engine,
@@ -105,19 +107,32 @@ def create_app(engine: EngineClient, settings: Settings) -> FastAPI:
     app = FastAPI(title="loraplex", version=_version(), lifespan=lifespan)
     app.state.loraplex = state
     install_exception_handlers(app)
+    install_openapi(app)
     app.add_middleware(
         RequestContextMiddleware,
         max_body_bytes=settings.max_body_bytes,
         metrics=state.metrics,
         unlimited_paths=adapters.UPLOAD_PATHS | admin_ui.UPLOAD_PATHS,
     )
-    for module in (
-        completions, chat, models, health, adapters, admin_tenants, usage, admin_engine
-    ):
-        app.include_router(module.router)
-    app.include_router(billing.router)
+    _include_api_routes(app)
     admin_ui.install(app)
     return app
+
+
+def _include_api_routes(app: FastAPI) -> None:
+    for module in (
+        completions, chat, models, health, adapters, admin_tenants, usage, admin_engine, billing
+    ):
+        app.include_router(module.router)
+
+
+def openapi_document() -> dict[str, Any]:
+    """The app's OpenAPI document, built without a service behind it (for client
+    generators and fuzzers that need it before any server runs)."""
+    app = FastAPI(title="loraplex", version=_version())
+    _include_api_routes(app)
+    install_openapi(app)
+    return app.openapi()
 
 
 async def _start_services(state: AppState) -> None:

@@ -101,6 +101,17 @@ class _EngineCollector(Collector):
         yield GaugeMetricFamily(
             "loraplex_adapters_registered", "LoRA adapters served.", value=stats.num_adapters
         )
+        yield CounterMetricFamily(
+            "loraplex_engine_step_failures",
+            "Engine steps whose forward or sampling raised (their requests were retried one "
+            "by one and only those that failed on their own got a 500).",
+            value=stats.num_step_failures,
+        )
+        yield GaugeMetricFamily(
+            "loraplex_engine_failed",
+            "1 once the engine failed for good (the process drains and exits).",
+            value=0 if self._engine.failure() is None else 1,
+        )
         yield from _worker_metrics(self._engine)
         cache = stats.adapter_cache
         if cache is None:

@@ -51,10 +51,11 @@ def plan(
     """Plan engine workers for TENANTS on the GPUs of a topology file or of this machine.
 
     Dedicated tenants each get a GPU or MIG slice of their own, shared tenants share the
-    rest; a worker goes only where the memory model (weights + KV cache + adapter slots +
-    activations + CUDA context) says it fits. Prints each worker's device, tenants, KV
-    cache size, environment and Kubernetes resource request, and the tenants that fit
-    nowhere with the reason.
+    rest (at least one worker whenever there are shared tenants, even if a dedicated
+    tenant then goes unplaced); a worker goes only where the memory model (weights + KV
+    cache + adapter slots + activations + CUDA context) says it fits. Prints each
+    worker's device, tenants, KV cache size, environment and Kubernetes resource request,
+    and the tenants that fit nowhere with the reason.
     """
     # Imported here: the planner reads model configs through the engine (torch).
     from engine.config import default_data_dir

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+from pathlib import Path
 from typing import Any
 
 import click
@@ -15,10 +16,13 @@ from pydantic import ValidationError
 
 from app.cli import (
     DrainingServer,
+    EngineFailed,
     _engine_config,
     _engine_options,
+    _parse_loras,
     _settings,
     _setup_logging,
+    preload_adapters,
     serve_app,
 )
 from app.core.config import Settings, WorkerSettings, is_loopback_host
@@ -84,6 +88,9 @@ def _check_token(token: str | None, *, insecure: bool, host: str) -> str | None:
                    "is shared.")
 @click.option("--insecure-no-token", is_flag=True,
               help="Serve the internal API without LORAPLEX_WORKER_TOKEN (loopback only).")
+@click.option("--lora", "loras", multiple=True, callback=_parse_loras, metavar="NAME=PATH",
+              help="Preload a PEFT adapter directory, visible to every tenant; gateways send "
+                   "its requests to the workers that have it (repeatable).")
 @_engine_options
 def worker(
     host: str | None,
@@ -92,13 +99,16 @@ def worker(
     advertise_url: str | None,
     dedicated_tenants: tuple[str, ...],
     insecure_no_token: bool,
+    loras: dict[str, Path],
     **engine: Any,
 ) -> None:
     """Serve one engine (one GPU or MIG slice) to gateways over the internal API.
 
     Needs REDIS_URL (heartbeats) and LORAPLEX_WORKER_TOKEN (the gateways' Bearer token);
     reads adapters from the store under LORAPLEX_DATA_DIR, which gateways and workers
-    share. SIGTERM: leaves rotation at once, finishes in-flight requests, exits 0.
+    share, and `--lora` adapters from their own directories (announced in the heartbeat:
+    gateways list them and route their requests here). SIGTERM: leaves rotation at once,
+    finishes in-flight requests, exits 0.
     """
     settings = _worker_settings(host=host, port=port)
     if not settings.redis_url:
@@ -116,6 +126,7 @@ def worker(
             worker_id=worker_id or f"{socket.gethostname()}-{settings.port}",
             advertise_url=advertise_url or default_advertise_url(settings.host, settings.port),
             dedicated_tenants=dedicated_tenants,
+            loras=loras,
         )
     )
 
@@ -128,8 +139,10 @@ async def serve_worker(
     worker_id: str,
     advertise_url: str,
     dedicated_tenants: tuple[str, ...] = (),
+    loras: dict[str, Path] | None = None,
 ) -> None:
-    """Load the engine, serve the internal API, beat until SIGTERM/SIGINT, drain."""
+    """Load the engine and its `--lora` adapters, serve the internal API, beat until
+    SIGTERM/SIGINT, drain."""
     from app.metrics import Metrics
     from engine.async_engine import AsyncEngine  # imports torch: only when serving
     from engine.remote.heartbeat import HeartbeatPublisher, make_identity
@@ -139,6 +152,11 @@ async def serve_worker(
     engine = AsyncEngine(config)
     logger.info("loading model %s", config.model)
     await engine.start()
+    try:
+        refused = await preload_adapters(engine, loras or {})
+    except BaseException:
+        await engine.shutdown()
+        raise
     redis = aioredis.Redis.from_url(settings.redis_url, socket_timeout=5.0)
     identity = make_identity(
         worker_id=worker_id,
@@ -146,6 +164,7 @@ async def serve_worker(
         device=str(engine.core.runner.device),
         mig_profile=settings.mig_profile,
         dedicated_tenants=dedicated_tenants,
+        preloaded_adapters=tuple(n for n in loras or {} if n not in refused),
     )
     app = create_worker_app(
         engine, token=token, data_dir=settings.data_dir, render_metrics=Metrics(engine).render
@@ -164,7 +183,8 @@ async def serve_worker(
         begin_drain(app)
         publisher.withdraw_soon()
 
-    server = DrainingServer(app, settings, on_exit=on_exit)
+    # NOTE: a failed engine drains like SIGTERM: out of rotation at once, then exit 1.
+    server = DrainingServer(app, settings, on_exit=on_exit, engine_failure=engine.failure)
     try:
         serving = asyncio.create_task(server.serve())
         while not server.started and not serving.done():
@@ -183,6 +203,8 @@ async def serve_worker(
         await publisher.stop()
         await engine.shutdown()
         await redis.aclose()
+    if server.failure is not None:
+        raise EngineFailed(server.failure)
 
 
 @click.command()

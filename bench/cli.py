@@ -291,3 +291,77 @@ def fairness(
     if serve_args:
         options.serve_args = [a for arg in serve_args for a in arg.split()]
     run_fairness(options)
+
+
+@bench.command("soak")
+@click.option("--model", default="default", show_default=True)
+@click.option("--minutes", default=2.0, show_default=True, help="length of the open-loop load")
+@click.option("--seconds", default=None, type=float, help="length in seconds (overrides --minutes)")
+@click.option("--load-fraction", default=0.7, show_default=True,
+              help="open-loop rate as a fraction of the capacity measured first")
+@click.option("--capacity", "capacity_s", default=20.0, show_default=True,
+              help="seconds of the closed loop that measures capacity")
+@click.option("--capacity-concurrency", default=8, show_default=True)
+@click.option("--max-tokens", default=16, show_default=True,
+              help="of plain requests and of streams read to the end")
+@click.option("--cut-max-tokens", default=64, show_default=True,
+              help="of the streams the client cuts after 2-4 chunks")
+@click.option("--upload-interval", "upload_interval_s", default=15.0, show_default=True,
+              help="seconds between adapter uploads during the load")
+@click.option("--rss-slack-mib", default=512, show_default=True,
+              help="RSS growth over the baseline still taken for no leak")
+@click.option("--seed", default=0, show_default=True)
+@click.option("--database-url", default=None,
+              help="a fresh database (migrated first) [default: SQLite in a temporary "
+                   "directory]")
+@click.option("--redis-url", default=None,
+              help="Redis quotas; this Redis database is FLUSHED before the run [default: "
+                   "per-process quotas]")
+@click.option("--serve-arg", "serve_args", multiple=True, help="extra flag for `serve`")
+@click.option(
+    "--output",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="JSON report [default: bench/results/soak-<timestamp>.json]",
+)
+def soak(serve_args: tuple[str, ...], **kwargs: Any) -> None:
+    """Open-loop mixed traffic (plain, streams, cut streams, bad requests, adapter uploads)
+    at a fraction of measured capacity; fails on leaked memory, descriptors, threads, KV
+    blocks, pinned adapters, DB connections, Redis keys, or usage rows != responses."""
+    from bench.soak import SoakOptions, run_soak
+
+    report = run_soak(
+        SoakOptions(serve_args=[a for arg in serve_args for a in arg.split()], **kwargs)
+    )
+    if not report.ok:
+        raise SystemExit(1)
+
+
+@bench.command("grammar")
+@click.option("--model", default="default", show_default=True)
+@click.option("--library", "libraries", multiple=True,
+              type=click.Choice(["xgrammar", "llguidance"]),
+              default=("xgrammar", "llguidance"), show_default=True)
+@click.option("--batch-size", default=32, show_default=True)
+@click.option("--steps", default=256, show_default=True, help="timed decode steps, mixed run")
+@click.option("--case-steps", default=96, show_default=True,
+              help="timed decode steps of each case alone (0: none)")
+@click.option("--compile-runs", default=10, show_default=True)
+@click.option("--repeats", default=2, show_default=True,
+              help="mixed runs per library, alternating libraries")
+@click.option("--hostile-timeout", "hostile_timeout_s", default=30.0, show_default=True,
+              help="seconds per hostile grammar before its worker is killed")
+@click.option("--seed", default=0, show_default=True)
+@click.option("--quick", is_flag=True, help="a short run that checks everything works")
+@click.option(
+    "--output",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="JSON report [default: bench/results/grammar-<timestamp>.json]",
+)
+def grammar(libraries: tuple[str, ...], **kwargs: Any) -> None:
+    """xgrammar vs llguidance: compile time, per-step mask time for a batch, bitmask apply,
+    GIL overlap with a matmul, hostile grammars; every generated document validated."""
+    from bench.grammar import GrammarOptions, run_grammar
+
+    run_grammar(GrammarOptions(libraries=libraries, **kwargs))

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.server import free_port
+from bench.server import free_port, wait_ready
 from bench.throughput import machine_description, print_row
 from bench.workload import (
     BenchRequest,
@@ -214,19 +214,7 @@ def authenticated_server(
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
         base_url = f"http://127.0.0.1:{port}"
         try:
-            deadline = time.monotonic() + timeout_s
-            while True:
-                if proc.poll() is not None:
-                    tail = log_path.read_text(errors="replace")[-4000:]
-                    raise RuntimeError(
-                        f"server exited with {proc.returncode}: {' '.join(cmd)}\n{tail}"
-                    )
-                with contextlib.suppress(httpx.HTTPError):
-                    if httpx.get(f"{base_url}/ready", timeout=2).status_code == 200:
-                        break
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"server not ready after {timeout_s:.0f}s")
-                time.sleep(0.5)
+            wait_ready(proc, base_url, timeout_s, cmd=cmd, log=log_path)
             yield base_url, admin_key
         finally:
             proc.terminate()

@@ -41,6 +41,11 @@ def load_hf_model(model_dir: Path) -> Any:
     return model
 
 
+def _device(model: Any) -> torch.device:
+    """Where the model's weights are (inputs go there; HF leaves that to the caller)."""
+    return next(model.parameters()).device
+
+
 def _greedy_kwargs(model: Any, max_new_tokens: int) -> dict[str, object]:
     # min_new_tokens == max_new_tokens: same output lengths as the engine's ignore_eos.
     pad = model.config.pad_token_id
@@ -55,16 +60,14 @@ def _greedy_kwargs(model: Any, max_new_tokens: int) -> dict[str, object]:
 
 
 @torch.inference_mode()
-def run_one_at_a_time(
-    model: Any, requests: list[BenchRequest], *, peft: bool = False
-) -> HFResult:
+def run_one_at_a_time(model: Any, requests: list[BenchRequest], *, peft: bool = False) -> HFResult:
     """peft: `model` is a PeftModel; each request runs alone on its adapter (set_adapter)."""
     start = time.perf_counter()
     tokens = 0
     for r in requests:
         if peft:
             model.set_adapter(r.model)
-        ids = torch.tensor([r.prompt_token_ids])
+        ids = torch.tensor([r.prompt_token_ids], device=_device(model))
         out = model.generate(
             input_ids=ids,
             attention_mask=torch.ones_like(ids),
@@ -95,6 +98,7 @@ def run_static_batches(
             n = len(r.prompt_token_ids)
             ids[row, width - n :] = torch.tensor(r.prompt_token_ids)
             mask[row, width - n :] = 1
+        ids, mask = ids.to(_device(model)), mask.to(_device(model))
         longest = max(r.max_tokens for r in batch)
         kwargs = _greedy_kwargs(model, longest)
         if peft:

@@ -149,5 +149,8 @@ class InstantEngine:
     def is_ready(self) -> bool:
         return not self._shut_down
 
+    def failure(self) -> str | None:
+        return None
+
     async def shutdown(self) -> None:
         self._shut_down = True

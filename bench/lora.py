@@ -200,15 +200,9 @@ def run_scaling(opts: LoRABenchOptions) -> dict[str, Any]:
 
 
 def load_peft_model(model_dir: Path, adapters: dict[str, Path]) -> Any:
-    from peft import PeftModel
+    from bench.gpu.engine_runs import load_peft
 
-    base = load_hf_model(model_dir)
-    (first, first_dir), *rest = adapters.items()
-    model = PeftModel.from_pretrained(base, str(first_dir), adapter_name=first)
-    for name, path in rest:
-        model.load_adapter(str(path), adapter_name=name)
-    model.eval()
-    return model
+    return load_peft(load_hf_model(model_dir), adapters)
 
 
 def run_vs_peft(opts: LoRABenchOptions) -> dict[str, Any]:

@@ -30,7 +30,7 @@ _ADAPTER_FILES_SLACK = 1024 * 1024
 
 
 class EngineDeadError(RuntimeError):
-    """The step loop failed; requests in flight end with this error."""
+    """The engine failed for good or shut down; requests in flight end with this error."""
 
 
 @dataclass(slots=True)
@@ -58,6 +58,7 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._error: BaseException | None = None
+        self._failure: str | None = None  # why the engine stopped serving for good
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -124,6 +125,9 @@ class AsyncEngine:
             and not self._stopping
         )
 
+    def failure(self) -> str | None:
+        return self._failure
+
     def stats(self) -> EngineStats:
         core = self.core
         bm = core.block_manager
@@ -138,6 +142,7 @@ class AsyncEngine:
             prefix_cache_queries=bm.prefix_cache_queries,
             num_adapters=len(core.list_adapters()),
             adapter_cache=None if core.adapter_cache is None else core.adapter_cache.stats(),
+            num_step_failures=core.num_step_failures,
         )
 
     def get_adapter(self, name: str) -> AdapterInfo | None:
@@ -213,6 +218,8 @@ class AsyncEngine:
         self.core.check_request(request.num_prompt_tokens, sampling.max_tokens, tenant)
         stream = _Stream(loop=asyncio.get_running_loop())
         with self._lock:
+            if self._error is not None:  # failed since the check above
+                raise EngineDeadError(f"engine failed: {self._error}")
             if request_id in self._streams:
                 raise ValueError(f"duplicate request id {request_id!r}")
             self._streams[request_id] = stream
@@ -278,14 +285,38 @@ class AsyncEngine:
                         core.add_request(request)
                     except ValueError as exc:
                         self._deliver([], {request.request_id: exc})
-                outputs = core.step()
+                try:
+                    outputs = core.step()
+                except Exception as exc:
+                    # NOTE: the forward and sampling contain their own failures (see
+                    # engine/isolation.py); what reaches here failed in scheduling or
+                    # bookkeeping, with no request to blame: the step is tried again, a
+                    # few times.
+                    log.exception("engine step failed")
+                    core.num_step_failures += 1
+                    core.consecutive_failures += 1
+                    core.last_failure = f"step: {type(exc).__name__}: {exc}"
+                    outputs = []
                 failures, core.failures = core.failures, {}
                 if outputs or failures:
                     self._deliver(outputs, failures)
+                limit = self.config.max_consecutive_step_failures
+                if core.consecutive_failures >= limit:
+                    self._fail_for_good(
+                        f"{core.consecutive_failures} engine steps in a row failed; "
+                        f"the last: {core.last_failure}"
+                    )
+                    return
         except BaseException as exc:
             log.exception("engine step loop failed")
-            self._error = exc
-            self._fail_all(EngineDeadError(f"engine failed: {exc}"))
+            self._fail_for_good(f"the step loop failed: {type(exc).__name__}: {exc}")
+
+    def _fail_for_good(self, reason: str) -> None:
+        log.critical("engine failed, serving no more requests: %s", reason)
+        with self._lock:
+            self._failure = reason
+            self._error = RuntimeError(reason)
+        self._fail_all(EngineDeadError(f"engine failed: {reason}"))
 
     def _deliver(self, outputs: list[RequestOutput], errors: dict[str, BaseException]) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, Any]]] = {}

@@ -14,6 +14,8 @@ __all__ = [
     "AdapterPlacement",
     "EngineClient",
     "EngineStats",
+    "EngineStepError",
+    "EngineUnavailable",
     "RequestRejected",
     "TenantContext",
 ]
@@ -27,6 +29,15 @@ class RequestRejected(ValueError):
         super().__init__(message)
         self.code = code
         self.param = param
+
+
+class EngineStepError(RuntimeError):
+    """The engine step that ran this request failed on it; the engine serves on."""
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine cannot take this call now, but may soon (on a gateway: no worker is in
+    rotation yet, or none answered): the caller answers 503 with Retry-After."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +79,7 @@ class EngineStats:
     prefix_cache_queries: int  # prompt tokens looked up, cumulative
     num_adapters: int = 0  # adapters registered
     adapter_cache: AdapterCacheStats | None = None  # None: LoRA disabled
+    num_step_failures: int = 0  # engine steps that raised, cumulative
 
 
 class EngineClient(Protocol):
@@ -141,5 +153,11 @@ class EngineClient(Protocol):
     def stats(self) -> EngineStats: ...
 
     def is_ready(self) -> bool: ...
+
+    def failure(self) -> str | None:
+        """Why the engine stopped serving for good (repeated step failures: a broken
+        device); None while it serves. A failed engine never recovers: the process
+        should drain and exit so that its supervisor starts a fresh one."""
+        ...
 
     async def shutdown(self) -> None: ...

@@ -40,6 +40,9 @@ class EngineConfig:
     # A waiting request's priority improves by one level per aging_s seconds waited (down
     # to 0), so low-priority requests are never starved; None: no aging.
     aging_s: float | None = 30.0
+    # Steps in a row in which nothing could run (each request failed on its own, and so
+    # did a one-token probe of the device) before the engine declares itself failed.
+    max_consecutive_step_failures: int = 3
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -54,6 +57,8 @@ class EngineConfig:
             raise ValueError("vtc_prompt_weight and vtc_output_weight must be >= 0")
         if self.aging_s is not None and not self.aging_s > 0:
             raise ValueError(f"aging_s must be > 0 (or None: no aging), got {self.aging_s}")
+        if self.max_consecutive_step_failures < 1:
+            raise ValueError("max_consecutive_step_failures must be >= 1")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.block_size:
             raise ValueError(
                 f"kv_cache_tokens ({self.kv_cache_tokens}) must hold at least one block "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import re
 import threading
 import time
@@ -11,18 +12,24 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from engine.block_manager import BlockManager
-from engine.client import AdapterInfo, RequestRejected
+from engine.client import AdapterInfo, EngineStepError, RequestRejected
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
+from engine.faults import FaultPlan
+from engine.isolation import Execute, forward_one_by_one, probe_device, sample_one_by_one
 from engine.lora.cache import AdapterCache
 from engine.lora.peft import load_peft_adapter
 from engine.lora.weights import AdapterError, LoRAWeights
 from engine.model_loader import resolve_model
 from engine.model_runner import ModelRunner
 from engine.request import Request, RequestOutput, RequestStatus, TenantContext, TokenLogprob
-from engine.sampler import Sampler
+from engine.sampler import Sampler, SampleResult
 from engine.scheduler import Scheduler
+
+log = logging.getLogger("loraplex.engine")
 
 # What requests may put in `model` to name an adapter; '@' is kept for `name@version`.
 ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._\-/:]{0,127}")
@@ -50,9 +57,18 @@ class EngineCore:
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self._tracked: dict[str, _Tracked] = {}
-        # Requests that failed between steps (their adapter could not be loaded).
+        # Requests that failed since the last look (their adapter could not be loaded, or
+        # a step failed on them); the step loop hands them to their callers.
         self.failures: dict[str, BaseException] = {}
         self.last_step_idle = False  # the last step had nothing it could run
+        self.num_step_failures = 0  # steps whose batched forward or sampling raised
+        # Steps in a row in which nothing could run (see engine/isolation.py).
+        self.consecutive_failures = 0
+        self.last_failure: str | None = None
+        self._execute: Execute = self.runner.execute
+        faults = FaultPlan.from_env()
+        if faults is not None:
+            self._execute = faults.wrap(self._execute)
         # Called (from any thread) when something the step loop waits for happened.
         self.wakeup: Callable[[], None] | None = None
         self._init_adapters()
@@ -235,18 +251,20 @@ class EngineCore:
         more than its tenant's per-request limits."""
         if tenant is not None:
             check_tenant_limits(tenant, num_prompt_tokens, max_tokens)
+        # NOTE: worded as OpenAI's, which clients such as litellm match on.
         if num_prompt_tokens >= self.max_model_len:
             raise RequestRejected(
-                f"This model's maximum context length is {self.max_model_len} tokens; "
-                f"the prompt has {num_prompt_tokens} tokens.",
+                f"This model's maximum context length is {self.max_model_len} tokens. "
+                f"However, the prompt has {num_prompt_tokens} tokens, leaving no room for a "
+                "completion.",
                 code="context_length_exceeded",
                 param="messages",
             )
         if num_prompt_tokens + max_tokens > self.max_model_len:
             raise RequestRejected(
-                f"This model's maximum context length is {self.max_model_len} tokens; "
-                f"the prompt ({num_prompt_tokens} tokens) plus max_tokens ({max_tokens}) "
-                "exceeds it.",
+                f"This model's maximum context length is {self.max_model_len} tokens. "
+                f"However, you requested {num_prompt_tokens + max_tokens} tokens "
+                f"({num_prompt_tokens} in the prompt, {max_tokens} in the completion).",
                 code="context_length_exceeded",
                 param="max_tokens",
             )
@@ -316,16 +334,66 @@ class EngineCore:
                     slot = self.adapter_cache.slot_of(key)
                     assert slot is not None, f"adapter {key} scheduled without a device slot"
                     adapter_slots[key] = slot
-        logits = self.runner.execute(scheduled, adapter_slots)
+        failed: list[tuple[Request, BaseException]] = []
+        try:
+            logits = self._execute(scheduled, adapter_slots)
+        except Exception as exc:
+            self._note_failure("forward", exc)
+            isolated = forward_one_by_one(
+                self._execute, scheduled, adapter_slots, self.config.block_size
+            )
+            scheduled, logits, failed = isolated.output, isolated.logits, isolated.failed
         self.scheduler.update_after_step(scheduled)
         sampling = [c.request for c in scheduled.chunks if c.samples]
-        results = self.sampler(logits, sampling)
+        results: list[SampleResult | None] = []
+        if sampling:
+            try:
+                results = list(self.sampler(logits, sampling))
+            except Exception as exc:
+                self._note_failure("sampling", exc)
+                results, failed_samples = sample_one_by_one(self.sampler, logits, sampling)
+                failed += failed_samples
         now = time.monotonic()
         outputs: list[RequestOutput] = []
         for request, result in zip(sampling, results, strict=True):
+            if result is None:
+                continue
             tracked = self._tracked[request.request_id]
-            outputs.append(self._append_token(tracked, result.token_id, result.logprob, now))
+            try:
+                outputs.append(self._append_token(tracked, result.token_id, result.logprob, now))
+            except Exception as exc:
+                log.exception("engine request %s: its output failed", request.request_id)
+                failed.append((request, exc))
+        if failed:
+            failed_ids = {request.request_id for request, _ in failed}
+            ran_any = any(c.request.request_id not in failed_ids for c in scheduled.chunks)
+            self._fail_requests(failed, ran_any=ran_any)
+        else:
+            self.consecutive_failures = 0
         return outputs
+
+    def _note_failure(self, where: str, exc: BaseException) -> None:
+        self.num_step_failures += 1
+        self.last_failure = f"{where}: {type(exc).__name__}: {exc}"
+        log.error("engine step failed in its %s; running its requests one by one", where,
+                  exc_info=exc)
+        if self.runner.device.type == "cuda":
+            torch.cuda.empty_cache()  # an out-of-memory error may clear with the cache
+
+    def _fail_requests(self, failed: list[tuple[Request, BaseException]], *, ran_any: bool) -> None:
+        """Fail the requests a step failed on, freeing their blocks and adapter pins; with
+        nothing else run, probe the device (see engine/isolation.py)."""
+        for request, exc in failed:
+            self.failures[request.request_id] = EngineStepError(
+                f"the engine step running this request failed: {type(exc).__name__}: {exc}"
+            )
+            self.abort_request(request.request_id)
+        if ran_any or probe_device(
+            self._execute, self.block_manager, self.tokenizer.bos_token_id or 0
+        ):
+            self.consecutive_failures = 0
+        else:
+            self.consecutive_failures += 1
 
     def _append_token(
         self, tracked: _Tracked, token_id: int, logprob: TokenLogprob | None, now: float

@@ -39,10 +39,15 @@ class TenantContext:
             raise ValueError(f"max_context_tokens must be >= 2, got {self.max_context_tokens}")
 
 
+# Temperatures below this sample greedily: dividing logits by them overflows float32, and
+# the distribution they describe is the argmax to within float32 resolution anyway.
+GREEDY_TEMPERATURE = 1e-5
+
+
 @dataclass(slots=True)
 class SamplingParams:
     max_tokens: int = 16
-    temperature: float = 1.0  # 0 = greedy
+    temperature: float = 1.0  # below GREEDY_TEMPERATURE (0 included) = greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
     presence_penalty: float = 0.0
@@ -55,6 +60,13 @@ class SamplingParams:
     logprobs: int | None = None  # None: none; k >= 0: chosen token + top-k alternatives
 
     def __post_init__(self) -> None:
+        # NOTE: every float is checked finite: `nan < 0` is False, so a NaN would pass
+        # each range check below unnoticed.
+        for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
+            value = getattr(self, name)
+            if not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
         if self.temperature < 0:
@@ -70,7 +82,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
 
 class RequestStatus(enum.IntEnum):

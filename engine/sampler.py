@@ -2,6 +2,11 @@
 
 The order follows the usual Hugging Face / OpenAI semantics:
 repetition penalty -> frequency penalty -> presence penalty -> temperature -> top-k -> top-p.
+
+NOTE: whatever the logits hold (NaN or inf from a broken adapter, extreme penalties) and
+whatever finite parameters a request passed, every row gets a token id inside the
+vocabulary: NaN never wins, +inf counts as the largest float, a row with no finite logit
+at all is sampled uniformly, and the nucleus always keeps the best token.
 """
 
 from __future__ import annotations
@@ -53,7 +58,7 @@ class Sampler:
         all_greedy = all(p.greedy for p in params)
 
         if all_greedy and not penalized and not wants_logprobs:
-            return [SampleResult(t, None) for t in logits.argmax(dim=-1).tolist()]
+            return [SampleResult(t, None) for t in _argmax(logits).tolist()]
 
         raw = logits
         if penalized:
@@ -61,11 +66,11 @@ class Sampler:
 
         sampled = [i for i, p in enumerate(params) if not p.greedy]
         if all_greedy:
-            token_ids = logits.argmax(dim=-1)
+            token_ids = _argmax(logits)
         elif len(sampled) == len(params):
             token_ids = self._sample(logits, requests)
         else:
-            token_ids = logits.argmax(dim=-1)
+            token_ids = _argmax(logits)
             rows = torch.tensor(sampled, device=logits.device)
             token_ids[rows] = self._sample(logits[rows], [requests[i] for i in sampled])
         ids: list[int] = token_ids.tolist()
@@ -76,12 +81,13 @@ class Sampler:
         return [SampleResult(t, lp) for t, lp in zip(ids, logprobs, strict=True)]
 
     def _sample(self, logits: Tensor, requests: list[Request]) -> Tensor:
-        """Samples one token id per row; every request here has temperature > 0."""
+        """Samples one token id per row; no request here is greedy."""
         vocab_size = logits.shape[1]
         device = logits.device
         params = [r.sampling for r in requests]
         temps = torch.tensor([p.temperature for p in params], device=device)
         x = logits / temps[:, None]  # [R, V], private: edited in place below
+        _make_finite_(x)
         top_ks = [p.top_k if p.top_k < vocab_size else 0 for p in params]
         top_ps = [p.top_p for p in params]
         if any(top_ks) or any(p < 1.0 for p in top_ps):
@@ -145,11 +151,37 @@ def _nucleus_threshold(values: Tensor, probs: Tensor, top_ps: Tensor) -> tuple[T
     # Mass of the better tokens before each candidate; monotone, so `keep` is a prefix.
     before = torch.cat([torch.zeros_like(cumulative[:, :1]), cumulative[:, :-1]], dim=-1)
     keep = before < top_ps[:, None]
-    num_kept = keep.sum(dim=-1)  # >= 1: the best token sees an empty prefix
+    # The best token sees an empty prefix, so it is kept unless top_p is 0 in float32 (a
+    # top_p below float32's resolution): it is kept then too.
+    num_kept = keep.sum(dim=-1).clamp(min=1)
     threshold = values.gather(1, (num_kept - 1)[:, None]).squeeze(1)
     complete = cumulative[:, -1] >= top_ps
     return threshold, complete
 
+
+def _argmax(logits: Tensor) -> Tensor:
+    """Best token id per row of [S, V]; a NaN (which argmax ranks above everything) never
+    wins over a number, and a row of NaN only still gets a valid id."""
+    ids = logits.argmax(dim=-1)
+    nan_rows = logits.gather(1, ids[:, None]).squeeze(1).isnan()
+    if bool(nan_rows.any()):
+        rows = nan_rows.nonzero().flatten()
+        cleaned = logits[rows].nan_to_num(nan=-torch.inf, posinf=torch.inf, neginf=-torch.inf)
+        ids[rows] = cleaned.argmax(dim=-1)
+    return ids
+
+
+def _make_finite_(x: Tensor) -> None:
+    """In place: NaN -> -inf, +inf -> the largest float; a row with no finite value left
+    becomes all zeros (uniform), so that softmax of every row has a positive sum."""
+    torch.nan_to_num_(x, nan=-torch.inf, posinf=torch.finfo(x.dtype).max, neginf=-torch.inf)
+    empty = x.amax(dim=-1) == -torch.inf
+    if bool(empty.any()):
+        x[empty] = 0.0
+
+
+# Logprobs are floored here, as OpenAI's API reports them: JSON has no -Infinity.
+MIN_LOGPROB = -9999.0
 
 _CDF_BLOCK = 256
 
@@ -274,7 +306,9 @@ def compute_logprobs(
         return result
     device = logits.device
     index = torch.tensor(rows, device=device)
-    logprobs = torch.log_softmax(logits[index], dim=-1)  # [R, V]
+    selected = logits[index].nan_to_num(nan=-torch.inf, neginf=-torch.inf)  # [R, V]
+    logprobs = torch.log_softmax(selected, dim=-1).nan_to_num_(nan=MIN_LOGPROB)
+    logprobs.clamp_(min=MIN_LOGPROB)
     chosen_ids = torch.tensor([token_ids[i] for i in rows], device=device)
     chosen = logprobs.gather(1, chosen_ids[:, None]).squeeze(1).tolist()
     num_top = min(max(params[i].logprobs or 0 for i in rows), logits.shape[1])

@@ -14,7 +14,7 @@ from admin_ui.writes import by
 from app import tenants as crud
 from app.api.deps import SessionDep
 from app.api.routes.adapters import upload_for_admin
-from app.api.schemas.adapters import AdapterVersionOut
+from app.api.schemas.adapters import AdapterUploadOut
 from app.api.state import AppStateDep
 
 router = APIRouter()
@@ -38,9 +38,9 @@ def adapters_page(request: Request, authed: AuthedDep, session: SessionDep,
     })
 
 
-@router.post(UPLOAD_PATH, status_code=201, response_model=AdapterVersionOut)
+@router.post(UPLOAD_PATH, status_code=201, response_model=AdapterUploadOut)
 async def upload(request: Request, authed: CsrfHeaderAuthed, state: AppStateDep
-                 ) -> AdapterVersionOut:
+                 ) -> AdapterUploadOut:
     """The admin API's upload (POST /admin/adapters), behind the session and its CSRF
     header instead of a bearer key: the same streamed form, limits and validation."""
     return await upload_for_admin(request, state, by=by(request, authed))

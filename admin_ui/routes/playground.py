@@ -9,6 +9,7 @@ never billed to the tenant.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from dataclasses import dataclass
 from typing import Any
@@ -93,7 +94,7 @@ async def _answer(request: Request, state: AppState, principal: Principal, model
             model=model, messages=[ChatMessage(role="user", content=prompt)],
             max_tokens=max_tokens, temperature=0,
         )
-        plan = plan_chat(state, body, principal)
+        plan = await asyncio.to_thread(plan_chat, state, body, principal)  # off the loop
         response = await serve_generation(request, state, plan, chat_response, chat_stream)
     except ValidationError as exc:
         return Answer(model, error=validation_error(exc.errors()).message)

@@ -109,7 +109,7 @@
           fact("Alpha", String(r.alpha ?? "-"));
           fact("Target modules", (r.target_modules || []).join(", ") || "-");
           fact("Size", `${r.size_bytes ?? "-"} bytes`);
-          link.href = `${form.action.replace(/\/upload$/, "")}/${body.adapter_id}`;
+          link.href = `${form.action.replace(/\/upload$/, "")}/${body.id}`;
           link.hidden = false;
           report.hidden = false;
           announce(`Adapter ${body.name} version ${body.version} is ${body.status}.`);

@@ -65,12 +65,16 @@ def _upload(
     return dict(response.json())
 
 
-def _wait(client: AdminClient, version: dict[str, Any], deadline: float) -> dict[str, Any]:
-    """The version once it is ready or failed (the upload may answer before that)."""
+def _wait(client: AdminClient, uploaded: dict[str, Any], deadline: float) -> dict[str, Any]:
+    """The upload's version once it is ready or failed (the upload may answer before
+    that). `uploaded` is the upload's answer: the adapter, with the version flat in it."""
+    # Older servers answered the version alone, with its id as `id`.
+    version_id = uploaded.get("version_id") or uploaded["id"]
+    version = uploaded
     while True:
-        adapter = client.json("GET", f"/admin/adapters/{version['adapter_id']}")
+        adapter = client.json("GET", f"/admin/adapters/{uploaded['adapter_id']}")
         for current in adapter.get("versions", []):
-            if current["id"] == version["id"]:
+            if current["id"] == version_id:
                 version = current
                 break
         else:

@@ -30,11 +30,15 @@ _background: set[asyncio.Task[None]] = set()
 
 
 def usage_of(plan: GenerationPlan, results: Sequence[ChoiceResult]) -> UsageInfo:
-    # The prompt is counted once however many choices share it, as OpenAI does;
-    # it counts as cached only as far as every choice found it cached.
-    num_prompt = len(plan.prompt_token_ids)
+    # Each prompt is counted once however many choices share it, as OpenAI does;
+    # it counts as cached only as far as every one of its choices found it cached.
+    num_prompt = plan.num_prompt_tokens
     num_completion = sum(r.num_output_tokens for r in results)
-    num_cached = min((r.num_cached_tokens for r in results), default=0)
+    n = plan.choices_per_prompt
+    num_cached = sum(
+        min((r.num_cached_tokens for r in results[p * n:(p + 1) * n]), default=0)
+        for p in range(len(plan.prompts))
+    )
     return UsageInfo(
         prompt_tokens=num_prompt,
         completion_tokens=num_completion,

@@ -131,7 +131,7 @@ async def run_choices(
         try:
             stream = state.engine.generate(
                 plan.engine_request_id(index),
-                plan.prompt_token_ids,
+                plan.prompt_of(index),
                 plan.sampling[index],
                 adapter_id=plan.adapter_id,
                 salt=plan.salt,
@@ -189,7 +189,7 @@ async def run_choices(
             results[index].add(item)
             if item.finished:
                 num_open -= 1
-                _observe(state, plan, results[index])
+                _observe(state, plan, index, results[index])
                 if item.finish_reason == "abort":
                     raise aborted_by_server()
                 if not num_open and account is not None:
@@ -207,21 +207,21 @@ async def run_choices(
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        for result in results:
+        for index, result in enumerate(results):
             if result.finish_reason is None:
                 result.finish_reason = "abort"
-                _observe(state, plan, result)
+                _observe(state, plan, index, result)
         if account is not None:
             account.close(status, results)
 
 
-def _observe(state: AppState, plan: GenerationPlan, result: ChoiceResult) -> None:
+def _observe(state: AppState, plan: GenerationPlan, index: int, result: ChoiceResult) -> None:
     assert result.finish_reason is not None
     state.metrics.observe_request(
         arrival=plan.arrival,
         first_token=result.first_token_time,
         finished=time.monotonic(),
-        num_prompt_tokens=result.num_prompt_tokens or len(plan.prompt_token_ids),
+        num_prompt_tokens=result.num_prompt_tokens or len(plan.prompt_of(index)),
         num_output_tokens=result.num_output_tokens,
         finish_reason=result.finish_reason,
         model=plan.adapter_id or state.engine.model_id,

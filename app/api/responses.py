@@ -86,6 +86,11 @@ def _num_top(plan: GenerationPlan) -> int | None:
     return plan.sampling[0].logprobs
 
 
+def _echo(plan: GenerationPlan, index: int) -> str:
+    """What choice `index`'s text starts with: its prompt with `echo`, else nothing."""
+    return "" if plan.echo_texts is None else plan.echo_texts[plan.prompt_index(index)]
+
+
 def _chunk(model: BaseModel, plan: GenerationPlan) -> bytes:
     # With include_usage every chunk says `"usage": null` except the last one.
     exclude = None if plan.include_usage else {"usage"}
@@ -108,7 +113,7 @@ async def completion_response(state: AppState, plan: GenerationPlan) -> Completi
         choices.append(
             CompletionChoice(
                 index=index,
-                text=result.text,
+                text=_echo(plan, index) + result.text,
                 logprobs=logprobs,
                 finish_reason=_finish_reason(result.finish_reason),
             )
@@ -125,22 +130,25 @@ async def completion_response(state: AppState, plan: GenerationPlan) -> Completi
 async def completion_stream(state: AppState, plan: GenerationPlan) -> AsyncIterator[bytes]:
     results = [ChoiceResult() for _ in range(plan.num_choices)]
     offsets = [0] * plan.num_choices
+    # With `echo`, each choice's first chunk carries its prompt.
+    unechoed = [_echo(plan, index) for index in range(plan.num_choices)]
     num_top = _num_top(plan)
     outputs = run_choices(state, plan, results)
     try:
         async for index, output in outputs:
             if not (output.new_text or output.new_logprobs or output.finished):
                 continue
+            text, unechoed[index] = unechoed[index] + output.new_text, ""
             logprobs = None
             if num_top is not None:
                 logprobs = completion_logprobs(
                     state.engine, output.new_logprobs, output.new_token_texts,
                     num_top=num_top, text_offset=offsets[index],
                 )
-            offsets[index] += len(output.new_text)
+            offsets[index] += len(text)
             choice = CompletionChoice(
                 index=index,
-                text=output.new_text,
+                text=text,
                 logprobs=logprobs,
                 finish_reason=_finish_reason(output.finish_reason) if output.finished else None,
             )

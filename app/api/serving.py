@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import time
 import uuid
 from dataclasses import dataclass
@@ -26,19 +27,22 @@ BodyT = TypeVar("BodyT", bound=BaseModel)
 MAX_CHOICES = 16
 MAX_COMPLETION_LOGPROBS = 5
 MAX_CHAT_TOP_LOGPROBS = 20
+# Beyond these a repetition penalty only pushes logits past float32's range.
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
 @dataclass(slots=True)
 class GenerationPlan:
-    """One HTTP generation request, ready for the engine (n choices = n engine requests)."""
+    """One HTTP generation request, ready for the engine (each choice one engine request)."""
 
     response_id: str  # "cmpl-..." / "chatcmpl-..."; choice i runs as "<response_id>-<i>"
     model: str  # as the client named it; echoed in every response
     principal: Principal
     target: ModelTarget
-    prompt_token_ids: list[int]
-    sampling: list[SamplingParams]  # one per choice
+    prompts: list[list[int]]  # token ids; a completions request may batch several
+    # One per choice, prompt-major as OpenAI orders them: prompt p's i-th is p * n + i.
+    sampling: list[SamplingParams]
     priority: int  # lower = served first; requests can only raise it
     stream: bool
     include_usage: bool
@@ -48,10 +52,27 @@ class GenerationPlan:
     account: RequestAccount | None = None
     # The share of the KV cache one tenant may hold while others wait (Settings).
     kv_share: float | None = None
+    # With `echo`: each prompt's text, which every choice of that prompt starts with.
+    echo_texts: list[str] | None = None
 
     @property
     def num_choices(self) -> int:
         return len(self.sampling)
+
+    @property
+    def choices_per_prompt(self) -> int:
+        return len(self.sampling) // len(self.prompts)
+
+    def prompt_index(self, choice: int) -> int:
+        return choice // self.choices_per_prompt
+
+    def prompt_of(self, choice: int) -> list[int]:
+        return self.prompts[self.prompt_index(choice)]
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Each prompt counted once, however many choices share it, as OpenAI does."""
+        return sum(len(p) for p in self.prompts)
 
     @property
     def adapter_id(self) -> str | None:
@@ -68,8 +89,8 @@ class GenerationPlan:
 
     @property
     def reserved_tokens(self) -> int:
-        """What the request may use at most: its prompt and every choice's max_tokens."""
-        return len(self.prompt_token_ids) + sum(s.max_tokens for s in self.sampling)
+        """What the request may use at most: its prompts and every choice's max_tokens."""
+        return self.num_prompt_tokens + sum(s.max_tokens for s in self.sampling)
 
     @property
     def engine_tenant(self) -> TenantContext | None:
@@ -102,7 +123,7 @@ async def read_body(request: Request, model: type[BodyT]) -> BodyT:
     """
     raw = await request.body()
     try:
-        data = json.loads(raw) if raw else None
+        data = json.loads(raw, parse_constant=_refuse_constant) if raw else None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         detail = exc.msg if isinstance(exc, json.JSONDecodeError) else "not UTF-8"
         error = {"type": "json_invalid", "loc": (), "ctx": {"error": detail}}
@@ -115,6 +136,12 @@ async def read_body(request: Request, model: type[BodyT]) -> BodyT:
         raise validation_error(exc.errors()) from exc
 
 
+def _refuse_constant(name: str) -> Any:
+    # Python's json module reads NaN, Infinity and -Infinity, which JSON does not have;
+    # a NaN would slip through every range check (all its comparisons are False).
+    raise json.JSONDecodeError(f"{name} is not a JSON number", name, 0)
+
+
 def new_response_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
@@ -125,6 +152,11 @@ def check_admission(state: AppState, num_requests: int) -> None:
     if state.draining:
         raise overloaded(
             "The server is shutting down; retry on another replica.", retry_after_s=retry_after_s
+        )
+    if state.engine.failure() is not None:
+        raise overloaded(
+            "The engine of this replica failed and it is restarting; retry on another "
+            "replica or shortly.", retry_after_s=retry_after_s,
         )
     if not state.engine.is_ready():
         raise overloaded(
@@ -182,6 +214,12 @@ def _check_range(
     lo_exclusive: bool = False,
 ) -> None:
     kind = "integer" if isinstance(value, int) else "decimal"
+    if isinstance(value, float) and not math.isfinite(value):  # 1e400 parses as inf
+        raise invalid_request(
+            f"Invalid '{name}': must be a finite number, got {value}.",
+            param=name,
+            code="invalid_value",
+        )
     if lo is not None and (value <= lo if lo_exclusive else value < lo):
         bound = f"greater than {lo}" if lo_exclusive else f"at least {lo}"
         raise invalid_request(
@@ -218,7 +256,10 @@ def _check_common(body: GenerationFields, max_stop: int) -> list[str]:
     if body.frequency_penalty is not None:
         _check_range("frequency_penalty", body.frequency_penalty, lo=-2, hi=2)
     if body.repetition_penalty is not None:
-        _check_range("repetition_penalty", body.repetition_penalty, lo=0, lo_exclusive=True)
+        _check_range(
+            "repetition_penalty", body.repetition_penalty,
+            lo=MIN_REPETITION_PENALTY, hi=MAX_REPETITION_PENALTY,
+        )
     if body.priority is not None:
         _check_range("priority", body.priority, lo=0)
     if body.seed is not None:
@@ -293,13 +334,19 @@ def _check_context(
     engine: EngineClient, num_prompt_tokens: int, max_tokens: int | None, *, prompt_param: str,
     max_tokens_param: str,
 ) -> int:
-    """The max_tokens the engine gets: as asked, or all the context the prompt leaves."""
+    """The max_tokens the engine gets: as asked, or all the context the prompt leaves.
+
+    NOTE: the messages begin as OpenAI's do ("This model's maximum context length is N
+    tokens."): clients such as litellm match that phrase to fall back to a model with a
+    longer context.
+    """
     context = engine.max_model_len
+    what = "messages" if prompt_param == "messages" else "prompt"
     if num_prompt_tokens >= context:
         raise invalid_request(
-            f"This model's context holds {context} tokens, and the prompt alone has "
-            f"{num_prompt_tokens} tokens, leaving no room for a completion. "
-            "Shorten the prompt.",
+            f"This model's maximum context length is {context} tokens. However, your {what} "
+            f"resulted in {num_prompt_tokens} tokens, leaving no room for a completion. "
+            f"Please reduce the length of the {what}.",
             param=prompt_param,
             code="context_length_exceeded",
         )
@@ -307,10 +354,10 @@ def _check_context(
         return context - num_prompt_tokens
     if num_prompt_tokens + max_tokens > context:
         raise invalid_request(
-            f"This model's context holds {context} tokens, but the prompt has "
-            f"{num_prompt_tokens} tokens and '{max_tokens_param}' asks for {max_tokens} more "
-            f"({num_prompt_tokens + max_tokens} in total). Shorten the prompt or lower "
-            f"'{max_tokens_param}'.",
+            f"This model's maximum context length is {context} tokens. However, you "
+            f"requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the "
+            f"{what}, {max_tokens} in the completion). Please reduce the length of the "
+            f"{what} or '{max_tokens_param}'.",
             param=max_tokens_param,
             code="context_length_exceeded",
         )
@@ -344,33 +391,59 @@ def _sampling_per_choice(
     return params
 
 
-def _completion_prompt(engine: EngineClient, prompt: Any) -> list[int]:
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) > 1:
-            raise invalid_request(
-                "Only one prompt per request is supported; send one request per prompt.",
-                param="prompt",
-            )
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        if not prompt:
+def _prompt_batch(
+    prompt: str | list[int] | list[str] | list[list[int]],
+) -> list[str | list[int]]:
+    """A completions `prompt` (one text or token-id list, or a batch of either) as a batch."""
+    if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
+        return [prompt]  # type: ignore[list-item]
+    return list(prompt)
+
+
+def _completion_prompts(
+    engine: EngineClient, batch: list[str | list[int]], n: int
+) -> list[list[int]]:
+    """Each prompt's token ids."""
+    if len(batch) * n > MAX_CHOICES:
+        # Checked before tokenizing: every prompt of a huge batch would be tokenized first.
+        raise invalid_request(
+            f"Invalid 'prompt': a request may ask for at most {MAX_CHOICES} completions "
+            f"(prompts times 'n'), got {len(batch)} prompts times {n}.",
+            param="prompt",
+        )
+    prompts = []
+    for one in batch:
+        if isinstance(one, str):
+            token_ids = engine.encode(one) if one else []
+        else:
+            token_ids = list(one)
+            if any(t < 0 for t in token_ids):
+                raise invalid_request(
+                    "Token ids in 'prompt' must be non-negative.", param="prompt"
+                )
+        if not token_ids:
             raise invalid_request("'prompt' must not be empty.", param="prompt")
-        token_ids = engine.encode(prompt)
-    else:
-        token_ids = list(prompt)
-        if any(t < 0 for t in token_ids):
-            raise invalid_request("Token ids in 'prompt' must be non-negative.", param="prompt")
-    if not token_ids:
-        raise invalid_request("'prompt' must not be empty.", param="prompt")
-    return token_ids
+        prompts.append(token_ids)
+    return prompts
+
+
+def _echo_text(engine: EngineClient, prompt: str | list[int]) -> str:
+    # NOTE: a token-id prompt is echoed token by token, special tokens included.
+    if isinstance(prompt, str):
+        return prompt
+    return "".join(engine.token_text(t) for t in prompt)
 
 
 def plan_completion(
     state: AppState, body: CompletionRequest, principal: Principal
 ) -> GenerationPlan:
     arrival = time.monotonic()
-    if body.echo:
-        raise _refuse_unsupported("echo", "'echo' is not supported.")
+    if body.echo and body.logprobs is not None:
+        # The engine returns no logprobs of prompt tokens, which echo's logprobs start with.
+        raise _refuse_unsupported(
+            "echo", "'echo' with 'logprobs' is not supported: the prompt's logprobs are not "
+            "available. Send 'echo' without 'logprobs'.",
+        )
     if body.suffix:
         raise _refuse_unsupported("suffix", "'suffix' is not supported.")
     if body.best_of is not None and body.best_of != (body.n or 1):
@@ -380,26 +453,32 @@ def plan_completion(
     if body.logprobs is not None:
         _check_range("logprobs", body.logprobs, lo=0, hi=MAX_COMPLETION_LOGPROBS)
     target = resolve_model(state, principal, body.model)
-    prompt_token_ids = _completion_prompt(state.engine, body.prompt)
-    max_tokens = _max_tokens_for(
-        state, principal, len(prompt_token_ids), body.max_tokens,
-        prompt_param="prompt", max_tokens_param="max_tokens",
-    )
+    batch = _prompt_batch(body.prompt)
+    prompts = _completion_prompts(state.engine, batch, body.n or 1)
+    sampling = []
+    for prompt in prompts:
+        max_tokens = _max_tokens_for(
+            state, principal, len(prompt), body.max_tokens,
+            prompt_param="prompt", max_tokens_param="max_tokens",
+        )
+        sampling += _sampling_per_choice(
+            body, max_tokens=max_tokens, stop=stop, logprobs=body.logprobs
+        )
+    echo_texts = [_echo_text(state.engine, one) for one in batch] if body.echo else None
     return GenerationPlan(
         response_id=new_response_id("cmpl"),
         model=body.model,
         principal=principal,
         target=target,
-        prompt_token_ids=prompt_token_ids,
-        sampling=_sampling_per_choice(
-            body, max_tokens=max_tokens, stop=stop, logprobs=body.logprobs
-        ),
+        prompts=prompts,
+        sampling=sampling,
         priority=_priority(principal, body.priority),
         stream=bool(body.stream),
         include_usage=body.include_usage,
         created=int(time.time()),
         arrival=arrival,
         kv_share=state.settings.tenant_kv_share,
+        echo_texts=echo_texts,
     )
 
 
@@ -467,7 +546,7 @@ def plan_chat(
         model=body.model,
         principal=principal,
         target=target,
-        prompt_token_ids=prompt_token_ids,
+        prompts=[prompt_token_ids],
         sampling=_sampling_per_choice(body, max_tokens=max_tokens, stop=stop, logprobs=logprobs),
         priority=_priority(principal, body.priority),
         stream=bool(body.stream),

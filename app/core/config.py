@@ -86,6 +86,9 @@ class Settings(BaseSettings):
     # and how many workers one engine request may try before it fails.
     worker_token: str | None = None
     worker_attempts: int = Field(default=3, ge=1, le=10)
+    # LORAPLEX_METRICS_TOKEN: when set, GET /metrics needs `Authorization: Bearer <it>`
+    # (its series name tenants and adapters); unset, it is open to any scraper.
+    metrics_token: str | None = None
 
     @property
     def resolved_database_url(self) -> str:

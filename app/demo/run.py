@@ -14,7 +14,7 @@ import click
 import uvicorn
 
 from app.api.state import AppState
-from app.cli import DrainingServer
+from app.cli import DrainingServer, EngineFailed
 from app.core.config import Settings
 from app.demo import printout
 from app.demo.cache import TrainedAdapter, ensure_trained
@@ -69,7 +69,7 @@ async def _serve(
     await engine.start()
     try:
         app = create_app(engine, settings)
-        server = DrainingServer(app, settings)
+        server = DrainingServer(app, settings, engine_failure=engine.failure)
         serving = asyncio.create_task(server.serve())
         # NOTE: set up inside the running server: uploads go through its registry, which
         # validates them in its engine, exactly as POST /admin/adapters would.
@@ -99,6 +99,8 @@ async def _serve(
         await serving
     finally:
         await engine.shutdown()
+    if server.failure is not None:
+        raise EngineFailed(server.failure)
 
 
 def server_port(server: uvicorn.Server, settings: Settings) -> int:

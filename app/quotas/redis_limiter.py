@@ -9,6 +9,7 @@ from typing import Any, cast
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 from app.core.principal import Quotas
@@ -67,17 +68,23 @@ class RedisLimiter:
         timeout_s: float = DEFAULT_TIMEOUT_S,
         max_connections: int = 64,
     ) -> RedisLimiter:
-        # NOTE: short timeouts and no client-side retries: a dead or hung Redis must cost
+        # NOTE: short timeouts and no retry after a timeout: a dead or hung Redis must cost
         # a request at most `timeout_s` before the failure mode decides, not seconds. A
         # burst above `max_connections` waits for a free connection (up to `timeout_s`)
         # rather than failing at once, which the failure mode would take for an outage.
+        # NOTE: one retry, on a new connection, for a connection error only: after Redis
+        # restarts, every pooled connection is dead and fails its next command. Without
+        # the retry each of them failed one admission or settle after Redis was back:
+        # a settle's lease then stayed until its ttl (a max_concurrency=1 tenant locked
+        # out for it) and the failure put limits back in failure mode for a backoff. A
+        # dead Redis refuses both attempts at once; a hung one (a timeout) is not retried.
         pool = BlockingConnectionPool.from_url(
             url,
             max_connections=max_connections,
             timeout=timeout_s,
             socket_timeout=timeout_s,
             socket_connect_timeout=timeout_s,
-            retry=Retry(NoBackoff(), 0),
+            retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
             decode_responses=True,
         )
         client = Redis.from_pool(pool)

@@ -112,6 +112,29 @@ def insert_version(
     return version_view(row, adapter)
 
 
+def withdraw_version(s: Session, version_id: str, *, by: AuditContext) -> None:
+    """Undo insert_version for an upload no engine could validate: the version goes, and
+    so does its adapter if the upload created it (or is marked deleted again if the
+    upload revived it), so that the same upload can be retried as if never made."""
+    row = s.get(AdapterVersion, version_id)
+    if row is None or row.status != AdapterStatus.VALIDATING:
+        return  # deleted meanwhile: the delete took care of it
+    adapter = s.get(Adapter, row.adapter_id, with_for_update=True)
+    assert adapter is not None
+    details = {"name": adapter.name, "tenant_id": adapter.tenant_id,
+               "version": row.version, "version_id": row.id}
+    s.delete(row)
+    s.flush()
+    others = [v for v in adapter.versions if v.id != version_id]
+    if not others:
+        s.delete(adapter)
+    elif all(v.status == AdapterStatus.DELETED for v in others):
+        adapter.deleted_at = utcnow()
+    audit(s, by, "adapter.upload_withdrawn", target_type="adapter", target_id=adapter.id,
+          details=details)
+    s.flush()
+
+
 def finish_version(
     s: Session, version_id: str, status: AdapterStatus, report: dict[str, object]
 ) -> VersionView | None:

@@ -23,7 +23,7 @@ from typing import Any
 from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
-from app.api.errors import APIError
+from app.api.errors import APIError, overloaded
 from app.audit import AuditContext
 from app.core.config import Settings
 from app.core.principal import AdapterRef
@@ -34,7 +34,7 @@ from app.registry.archive import ArchiveError, UnpackedAdapter, unpack_adapter
 from app.registry.store import AdapterStore
 from app.registry.sync import EngineSync
 from app.registry.views import AdapterView, SyncResult, VersionView, check_adapter_name
-from engine.client import EngineClient
+from engine.client import EngineClient, EngineUnavailable
 from engine.lora.weights import AdapterError
 
 log = logging.getLogger("loraplex.registry")
@@ -120,7 +120,9 @@ class AdapterRegistry:
         """Store, record and validate an uploaded archive as the next version of `name`
         (tenant_id None: shared). The caller owns (and removes) `archive`. APIError:
         400/413 refused archive (no rows), 404 unknown tenant, 403 max_adapters_exceeded,
-        422 invalid_adapter (the version is kept as `failed` with the reason)."""
+        422 invalid_adapter (the version is kept as `failed` with the reason), 503
+        overloaded with Retry-After when no engine can validate it now (no rows, no
+        files: the upload can be retried as is)."""
         check_adapter_name(name, base_model_id=self.engine.model_id)
         if tenant_id is not None:
             # Refused before unpacking: what the insert would refuse anyway.
@@ -157,6 +159,16 @@ class AdapterRegistry:
                 await self._finish(version.id, AdapterStatus.FAILED, {"error": reason})
                 await self._collect([unpacked.sha256])
                 raise APIError(422, reason, param="file", code="invalid_adapter") from None
+            except EngineUnavailable as e:
+                # NOTE: undone rather than kept `validating` for a worker to come: what a
+                # version means is settled when its upload answers.
+                log.warning("upload of %r withdrawn: %s", name, e)
+                await self._withdraw(version, by)
+                raise overloaded(
+                    "No engine worker can validate the adapter right now; retry the upload "
+                    "shortly.",
+                    retry_after_s=self.settings.retry_after_s,
+                ) from None
             except BaseException:
                 with contextlib.suppress(Exception):
                     await self._finish(
@@ -217,6 +229,19 @@ class AdapterRegistry:
                     raise
                 time.sleep(0.01 * (attempt + 1))
         raise AssertionError("unreachable")
+
+    async def _withdraw(self, version: VersionView, by: AuditContext) -> None:
+        """Forget a version no engine validated: its rows, the engine's note of it, and
+        its files unless another version has the same content."""
+
+        def withdraw() -> None:
+            with session_scope(self.db) as s:
+                records.withdraw_version(s, version.id, by=by)
+
+        await asyncio.to_thread(withdraw)
+        await self.engine.remove_adapter(version.engine_name)
+        if version.sha256 is not None:
+            await self._collect([version.sha256])
 
     async def _finish(
         self, version_id: str, status: AdapterStatus, report: dict[str, object]

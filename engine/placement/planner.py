@@ -18,6 +18,9 @@ NOTE: the policy, in order:
    `concurrency` x `context` exceeds what is left of the pool, or one of whose sequences no
    shared worker can hold, is unplaced; it is listed only on workers that hold one of its
    sequences.
+4. Shared tenants are the default service: when any exist and step 1 left no slot a shared
+   worker fits in, the dedicated tenants give one up, the last placed (smallest footprint)
+   first whose slot lets a shared worker take shared tenants; that tenant is unplaced.
 Nothing is placed where the memory model says it does not fit; what cannot be placed is
 reported with the numbers that decided it.
 """
@@ -149,7 +152,22 @@ class _Assignment:
 def plan(
     topology: Topology, tenants: list[TenantSpec], cfg: ModelConfig, options: PlanOptions
 ) -> Plan:
-    return _Planner(topology, cfg, options).run(tenants)
+    first = _Planner(topology, cfg, options)
+    result = first.run(tenants)
+    if not any(not t.dedicated for t in tenants) or _has_shared_worker(result):
+        return result
+    # NOTE: the dedicated tenants the first pass could not place stay unplaced (for the
+    # same reason): the slot given up is for the shared tenants, not for them.
+    left_out = {u.tenant: u.reason for u in first.unplaced}
+    for name in reversed(first.dedicated_placed):
+        retry = _Planner(topology, cfg, options).run(tenants, displaced=name, left_out=left_out)
+        if _has_shared_worker(retry):
+            return retry
+    return result
+
+
+def _has_shared_worker(result: Plan) -> bool:
+    return any(w.isolation == "shared" for w in result.workers)
 
 
 class _Planner:
@@ -173,8 +191,19 @@ class _Planner:
                     self.auto.append(_AutoGpu(node.name, node_pos, gpu, gpu.model))
         self.assignments: list[_Assignment] = []
         self.unplaced: list[Unplaced] = []
+        self.dedicated_placed: list[str] = []  # in placement order
 
-    def run(self, tenants: list[TenantSpec]) -> Plan:
+    def run(
+        self,
+        tenants: list[TenantSpec],
+        *,
+        displaced: str | None = None,
+        left_out: dict[str, str] | None = None,
+    ) -> Plan:
+        """displaced: a dedicated tenant left unplaced so that its slot can go to the
+        shared tenants (policy step 4); left_out: dedicated tenants not to place, with the
+        reason."""
+        left_out = left_out or {}
         max_len = self.cfg.max_model_len
         placeable: list[TenantSpec] = []
         for t in tenants:
@@ -185,9 +214,16 @@ class _Planner:
                 placeable.append(t)
         dedicated = [t for t in placeable if t.dedicated]
         dedicated.sort(key=lambda t: -self._footprint(t).total)  # stable: file order on ties
-        for t in dedicated:
-            self._place_dedicated(t)
         shared = [t for t in placeable if not t.dedicated]
+        for t in dedicated:
+            if t.name in left_out:
+                self._unplace(t, left_out[t.name])
+            elif t.name == displaced:
+                names = ", ".join(s.name for s in shared)
+                self._unplace(t, "no free GPU or MIG slice is left for a dedicated worker "
+                                 f"once one is kept for the shared tenants ({names})")
+            else:
+                self._place_dedicated(t)
         if shared:
             self._place_shared(shared)
         return self._result(tenants)
@@ -224,6 +260,7 @@ class _Planner:
         else:
             self.free.remove(slot)
         self.assignments.append(_Assignment(slot, "dedicated", t.concurrency, [t.name]))
+        self.dedicated_placed.append(t.name)
 
     def _largest_open_slot(self) -> _Slot | None:
         open_slots = list(self.free)

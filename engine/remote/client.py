@@ -38,7 +38,7 @@ from engine.remote.protocol import (
     TenantWire,
     WorkerLost,
 )
-from engine.remote.routing import LoadBound, RouteQuery, choose_worker
+from engine.remote.routing import Candidate, LoadBound, RouteQuery, choose_worker
 from engine.remote.tokenizer import Tokenizing
 from engine.remote.workers import KnownWorker, WorkerPool, WorkerReport
 from engine.request import RequestOutput, SamplingParams, TenantContext
@@ -178,6 +178,11 @@ class RemoteEngine:
     def is_ready(self) -> bool:
         return self._started and bool(self.pool.in_rotation())
 
+    def failure(self) -> str | None:
+        # A worker that fails leaves rotation and its supervisor restarts it; the gateway
+        # itself keeps serving with the others.
+        return None
+
     def stats(self) -> EngineStats:
         """The sum over the workers in rotation."""
         beats = [w.beat.stats for w in self.pool.in_rotation()]
@@ -193,13 +198,19 @@ class RemoteEngine:
             prefix_cache_hits=sum(s.prefix_cache_hits for s in beats),
             prefix_cache_queries=sum(s.prefix_cache_queries for s in beats),
             num_adapters=len(self.list_adapters()),
+            num_step_failures=sum(s.num_step_failures for s in beats),
         )
 
     def get_adapter(self, name: str) -> AdapterInfo | None:
-        return self.adapters.get(name)
+        info = self.adapters.get(name)
+        return info if info is not None else self.pool.preloaded().get(name)
 
     def list_adapters(self) -> list[AdapterInfo]:
-        return self.adapters.infos()
+        """The adapters added here (the registry's) and those workers were started with."""
+        infos = {i.name: i for i in self.adapters.infos()}
+        for name, info in self.pool.preloaded().items():
+            infos.setdefault(name, info)
+        return [infos[name] for name in sorted(infos)]
 
     def max_adapter_bytes(self) -> int:
         sizes = [w.beat.max_adapter_bytes for w in self.pool.in_rotation()]
@@ -244,7 +255,7 @@ class RemoteEngine:
         Raises NoWorkerAvailable."""
         query = RouteQuery(adapter=adapter_id, tenant_id=tenant_id, tenant_name=tenant_name,
                            dedicated=dedicated)
-        worker_id = choose_worker(self.pool.candidates(), query, bound=self.load_bound)
+        worker_id = choose_worker(self._candidates(query), query, bound=self.load_bound)
         if worker_id is None:
             raise NoWorkerAvailable(_no_worker_reason(query))
         route = Route(worker_id=worker_id, query=query, created=time.monotonic())
@@ -265,9 +276,20 @@ class RemoteEngine:
             if known is not None and known.in_rotation:
                 return known
         worker_id = choose_worker(
-            self.pool.candidates(), query, exclude=frozenset(tried), bound=self.load_bound
+            self._candidates(query), query, exclude=frozenset(tried), bound=self.load_bound
         )
         return None if worker_id is None else self.pool.get(worker_id)
+
+    def _candidates(self, query: RouteQuery) -> list[Candidate]:
+        candidates = self.pool.candidates()
+        if query.adapter is None or self.adapters.knows(query.adapter):
+            return candidates
+        # NOTE: an adapter that only workers' own `--lora` gives cannot be registered
+        # anywhere else: its requests go to those workers alone.
+        holders = self.pool.preloading(query.adapter)
+        if not holders:
+            return candidates  # unknown everywhere: a worker answers model_not_found
+        return [c for c in candidates if c.worker_id in holders]
 
     # -- generation ----------------------------------------------------------------------
 

@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict
 from redis.exceptions import RedisError
 
 from engine.client import EngineClient
-from engine.remote.protocol import PlacementWire, StatsWire
+from engine.remote.protocol import AdapterInfoWire, PlacementWire, StatsWire
 
 log = logging.getLogger("loraplex.worker")
 
@@ -47,6 +47,9 @@ class WorkerIdentity:
     gpu_uuid: str | None  # "GPU-..." / "MIG-..." from CUDA_VISIBLE_DEVICES
     dedicated_tenants: tuple[str, ...]  # tenant ids only this worker serves (empty: shared)
     instance: str  # a fresh id per process: a restarted worker is a new instance
+    # Adapters the worker was started with (`--lora`), from its own directories: only it
+    # can serve them, gateways cannot register them elsewhere.
+    preloaded_adapters: tuple[str, ...] = ()
 
 
 def gpu_uuid_from_env(cuda_visible_devices: str | None) -> str | None:
@@ -67,6 +70,7 @@ def make_identity(
     device: str,
     mig_profile: str | None,
     dedicated_tenants: tuple[str, ...],
+    preloaded_adapters: tuple[str, ...] = (),
 ) -> WorkerIdentity:
     return WorkerIdentity(
         worker_id=worker_id,
@@ -76,6 +80,7 @@ def make_identity(
         gpu_uuid=gpu_uuid_from_env(os.environ.get("CUDA_VISIBLE_DEVICES")),
         dedicated_tenants=tuple(sorted(set(dedicated_tenants))),
         instance=uuid.uuid4().hex,
+        preloaded_adapters=tuple(sorted(set(preloaded_adapters))),
     )
 
 
@@ -103,6 +108,8 @@ class Heartbeat(BaseModel):
     adapters_device: list[str]  # in a device slot now
     adapters_host: list[str]  # a host-memory copy is loaded
     adapters_registered: list[str]  # every adapter the worker serves
+    # Those of them it was started with (`--lora`), which gateways list as served by it.
+    adapters_preloaded: list[AdapterInfoWire] = []
     stats: StatsWire
     residency: list[PlacementWire]
     sent_at: float  # unix seconds, for operators (never compared across machines)
@@ -138,6 +145,11 @@ def snapshot(
         adapters_device=sorted(p.name for p in residency if p.slot is not None),
         adapters_host=sorted(p.name for p in residency if p.on_host),
         adapters_registered=sorted(a.name for a in engine.list_adapters()),
+        adapters_preloaded=[
+            AdapterInfoWire.of(info)
+            for name in identity.preloaded_adapters
+            if (info := engine.get_adapter(name)) is not None
+        ],
         stats=StatsWire.of(stats),
         residency=[PlacementWire.of(p) for p in residency],
         sent_at=time.time(),

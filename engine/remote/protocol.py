@@ -13,7 +13,13 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from engine.client import AdapterInfo, AdapterPlacement, EngineStats, RequestRejected
+from engine.client import (
+    AdapterInfo,
+    AdapterPlacement,
+    EngineStats,
+    EngineUnavailable,
+    RequestRejected,
+)
 from engine.lora.cache import AdapterCacheStats, LatencyHistogram
 from engine.request import RequestOutput, SamplingParams, TenantContext, TokenLogprob
 
@@ -30,7 +36,7 @@ NDJSON = "application/x-ndjson"
 KEEPALIVE = b"\n"
 
 
-class NoWorkerAvailable(RuntimeError):
+class NoWorkerAvailable(EngineUnavailable):
     """No worker in rotation can take the request (none alive, or none dedicated to its
     tenant): the caller answers 503 with Retry-After."""
 
@@ -324,6 +330,7 @@ class StatsWire(_Wire):
     prefix_cache_queries: int
     num_adapters: int = 0
     adapter_cache: AdapterCacheWire | None = None
+    num_step_failures: int = 0
 
     @classmethod
     def of(cls, s: EngineStats) -> StatsWire:

@@ -188,11 +188,16 @@ def _operations() -> APIRouter:
     router = APIRouter()
 
     @router.get("/health")
-    async def health() -> dict[str, str]:
-        return {"status": "ok"}
+    async def health(state: StateDep) -> JSONResponse:
+        reason = state.engine.failure()
+        if reason is not None:  # the liveness probe: this process exits and is restarted
+            return JSONResponse({"status": "failed", "reason": reason}, status_code=503)
+        return JSONResponse({"status": "ok"})
 
     @router.get("/ready")
     async def ready(state: StateDep) -> JSONResponse:
+        if state.engine.failure() is not None:
+            return JSONResponse({"status": "failed"}, status_code=503)
         if state.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
         if not state.engine.is_ready():

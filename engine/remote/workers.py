@@ -8,6 +8,7 @@ import logging
 from collections import Counter
 from dataclasses import dataclass, field
 
+from engine.client import AdapterInfo
 from engine.remote.heartbeat import Heartbeat
 from engine.remote.routing import Candidate
 
@@ -59,6 +60,10 @@ class WorkerPool:
         self._workers: dict[str, KnownWorker] = {}
         self.inflight: Counter[str] = Counter()  # worker id -> this gateway's open requests
         self._warned_models: set[tuple[str, str]] = set()
+        # Workers' own adapters (`--lora`): name -> info (the first worker's, by id), and
+        # name -> the workers that have it.
+        self._preloaded: dict[str, AdapterInfo] = {}
+        self._preloaded_by: dict[str, frozenset[str]] = {}
 
     def update(self, beats: list[Heartbeat]) -> None:
         """The alive workers are exactly those with a heartbeat in `beats`."""
@@ -91,6 +96,15 @@ class WorkerPool:
         for worker_id in self._workers.keys() - workers.keys():
             log.info("worker %s left (no heartbeat)", worker_id)
         self._workers = workers
+        infos: dict[str, AdapterInfo] = {}
+        holders: dict[str, set[str]] = {}
+        for worker_id in sorted(workers):
+            for wire in workers[worker_id].beat.adapters_preloaded:
+                infos.setdefault(wire.name, wire.to_info())
+                holders.setdefault(wire.name, set()).add(worker_id)
+        # NOTE: replaced whole, not mutated: admin routes read these from worker threads.
+        self._preloaded = infos
+        self._preloaded_by = {name: frozenset(ids) for name, ids in holders.items()}
 
     def suspend(self, worker_id: str, reason: str) -> None:
         """Out of rotation until it beats `recovery_beats` more times (or restarts)."""
@@ -98,6 +112,14 @@ class WorkerPool:
         if known is not None and known.suspended_at is None:
             log.warning("worker %s out of rotation: %s", worker_id, reason)
             known.suspended_at = known.beat.seq
+
+    def preloaded(self) -> dict[str, AdapterInfo]:
+        """The adapters workers were started with (`--lora`), by name."""
+        return self._preloaded
+
+    def preloading(self, name: str) -> frozenset[str]:
+        """The ids of the workers started with adapter `name` (`--lora`)."""
+        return self._preloaded_by.get(name, frozenset())
 
     def get(self, worker_id: str) -> KnownWorker | None:
         return self._workers.get(worker_id)

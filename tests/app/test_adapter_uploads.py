@@ -330,7 +330,7 @@ async def test_zip_and_tar_uploads_become_versions_served_by_name(server: Server
     v1, v2, v3 = (r.json() for r in (r1, r2, r3))
     assert (v1["version"], v2["version"], v3["version"]) == (1, 2, 1)
     assert v1["status"] == v2["status"] == "ready" and v1["tenant_id"] is None
-    assert v1["object"] == "adapter.version" and v1["report"]["rank"] == 8
+    assert v1["object"] == "adapter" and v1["report"]["rank"] == 8
     assert v1["sha256"] == v3["sha256"] != v2["sha256"]
     assert server.stored() == sorted({v1["sha256"], v2["sha256"]})
     assert [a[:2] for a in server.audit()] == [("adapter.upload", "bootstrap")] * 3
@@ -341,12 +341,36 @@ async def test_zip_and_tar_uploads_become_versions_served_by_name(server: Server
                                         json={"model": model, "prompt": "hi", "max_tokens": 1})
         assert done.status_code == 200, done.text
         assert isinstance(server.engine, FakeEngine)
-        assert server.engine.submitted[-1].adapter_id == f"av/{version['id']}"
+        assert server.engine.submitted[-1].adapter_id == f"av/{version['version_id']}"
     listing = (await server.client.get("/admin/adapters", headers=ADMIN)).json()
     assert [(a["name"], a["latest_version"], [v["version"] for v in a["versions"]])
             for a in listing["data"]] == [("bot", 2, [1, 2]), ("bot-copy", 1, [1])]
     one = await server.client.get(f"/admin/adapters/{v1['adapter_id']}", headers=ADMIN)
-    assert one.json()["versions"][0]["id"] == v1["id"]
+    assert one.json()["versions"][0]["id"] == v1["version_id"]
+
+
+async def test_an_upload_answers_the_adapter_under_the_id_its_collection_serves(
+    server: Server,
+) -> None:
+    for role, path in (("admin", "/admin/adapters"), ("a-writer", "/v1/adapters")):
+        first = await server.upload(zipped(archive_bytes()), "bot", role=role, path=path)
+        second = await server.upload(zipped(archive_bytes()), "bot", role=role, path=path)
+        assert [r.status_code for r in (first, second)] == [201, 201], first.text
+        one, two = first.json(), second.json()
+        assert one["object"] == two["object"] == "adapter"
+        assert one["id"] == two["id"] and one["id"].startswith("ad_")
+        assert first.headers["location"] == f"{path}/{one['id']}"
+        got = await server.client.get(f"{path}/{one['id']}", headers=server.auth(role))
+        assert got.status_code == 200, got.text
+        adapter = got.json()
+        assert adapter["id"] == one["id"] and adapter["latest_version"] == 2
+        assert [v["id"] for v in adapter["versions"]] == [one["version_id"], two["version_id"]]
+        # The upload's own version, flat as before, and the adapter as GET shows it.
+        assert (two["version"], two["status"], two["report"]["rank"]) == (2, "ready", 8)
+        assert two["adapter_id"] == two["id"] and two["name"] == "bot"
+        assert two["versions"] == adapter["versions"] and two["latest_version"] == 2
+        gone = await server.client.delete(f"{path}/{one['id']}", headers=server.auth(role))
+        assert gone.status_code == 200 and gone.json()["deleted_at"] is not None
 
 
 async def test_tenant_routes_need_the_scope_and_stay_in_the_tenant(server: Server) -> None:
@@ -387,7 +411,7 @@ async def test_tenant_routes_need_the_scope_and_stay_in_the_tenant(server: Serve
                                       headers=server.auth("a-writer"))
     assert gone.status_code == 200 and gone.json()["deleted_at"] is not None
     assert [v["status"] for v in gone.json()["versions"]] == ["deleted"]
-    assert server.engine.get_adapter(f"av/{body['id']}") is None
+    assert server.engine.get_adapter(f"av/{body['version_id']}") is None
 
 
 async def test_max_adapters_is_403_on_the_tenant_route(server: Server) -> None:
@@ -511,7 +535,7 @@ async def test_a_deleted_adapter_lets_running_requests_finish(
         version = response.json()
         assert version["report"]["rank"] == MAX_RANK
         assert version["report"]["target_modules"] == sorted(ALL_LINEAR)
-        name = f"av/{version['id']}"
+        name = f"av/{version['version_id']}"
         prompt = [300, 1200, 5000, 77, 901]
         greedy = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
 

@@ -87,7 +87,7 @@ def _upload(client: httpx.Client, root: Path, name: str, tenant_id: str | None) 
         data=data, headers=bearer(ADMIN_KEY),
     )
     assert response.status_code == 201, response.text
-    return str(response.json()["id"])
+    return str(response.json()["version_id"])
 
 
 @pytest.fixture

@@ -38,17 +38,25 @@ def chat(**fields: Any) -> dict[str, Any]:
 COMPLETION_CASES = [
     ("empty-prompt", completion(prompt=""), error("'prompt' must not be empty.", "prompt")),
     ("empty-ids", completion(prompt=[]), error("'prompt' must not be empty.", "prompt")),
-    ("two-prompts", completion(prompt=["a", "b"]), error(
-        "Only one prompt per request is supported; send one request per prompt.", "prompt")),
+    ("too-many-prompts", completion(prompt=["a", "b", "c"], n=6), error(
+        "Invalid 'prompt': a request may ask for at most 16 completions (prompts times 'n'), "
+        "got 3 prompts times 6.", "prompt")),
+    ("empty-prompt-in-batch", completion(prompt=["a", ""]), error(
+        "'prompt' must not be empty.", "prompt")),
+    ("long-prompt-in-batch", completion(prompt=["a", "x" * 64]), error(
+        "This model's maximum context length is 64 tokens. However, your prompt resulted in "
+        "64 tokens, leaving no room for a completion. Please reduce the length of the prompt.",
+        "prompt", "context_length_exceeded")),
     ("negative-id", completion(prompt=[1, -2]), error(
         "Token ids in 'prompt' must be non-negative.", "prompt")),
     ("prompt-fills-context", completion(prompt="x" * 64), error(
-        "This model's context holds 64 tokens, and the prompt alone has 64 tokens, leaving "
-        "no room for a completion. Shorten the prompt.", "prompt", "context_length_exceeded")),
+        "This model's maximum context length is 64 tokens. However, your prompt resulted in "
+        "64 tokens, leaving no room for a completion. Please reduce the length of the prompt.",
+        "prompt", "context_length_exceeded")),
     ("prompt-plus-max-tokens", completion(max_tokens=60), error(
-        "This model's context holds 64 tokens, but the prompt has 5 tokens and 'max_tokens' "
-        "asks for 60 more (65 in total). Shorten the prompt or lower 'max_tokens'.",
-        "max_tokens", "context_length_exceeded")),
+        "This model's maximum context length is 64 tokens. However, you requested 65 tokens "
+        "(5 in the prompt, 60 in the completion). Please reduce the length of the prompt or "
+        "'max_tokens'.", "max_tokens", "context_length_exceeded")),
     ("max-tokens-zero", completion(max_tokens=0), error(
         "Invalid 'max_tokens': must be at least 1, got 0.", "max_tokens",
         "integer_below_min_value")),
@@ -79,8 +87,11 @@ COMPLETION_CASES = [
         "Invalid 'frequency_penalty': must be at least -2, got -3.0.", "frequency_penalty",
         "decimal_below_min_value")),
     ("repetition", completion(repetition_penalty=0), error(
-        "Invalid 'repetition_penalty': must be greater than 0, got 0.0.", "repetition_penalty",
+        "Invalid 'repetition_penalty': must be at least 0.01, got 0.0.", "repetition_penalty",
         "decimal_below_min_value")),
+    ("repetition-huge", completion(repetition_penalty=1e300), error(
+        "Invalid 'repetition_penalty': must be at most 100.0, got 1e+300.", "repetition_penalty",
+        "decimal_above_max_value")),
     ("priority", completion(priority=-1), error(
         "Invalid 'priority': must be at least 0, got -1.", "priority",
         "integer_below_min_value")),
@@ -88,8 +99,9 @@ COMPLETION_CASES = [
         "Invalid 'logprobs': must be at most 5, got 6.", "logprobs", "integer_above_max_value")),
     ("too-many-stops", completion(stop=[str(i) for i in range(17)]), error(
         "Invalid 'stop': at most 16 stop sequences are allowed, got 17.", "stop")),
-    ("echo", completion(echo=True), error(
-        "'echo' is not supported.", "echo", "unsupported_parameter")),
+    ("echo-logprobs", completion(echo=True, logprobs=1), error(
+        "'echo' with 'logprobs' is not supported: the prompt's logprobs are not available. "
+        "Send 'echo' without 'logprobs'.", "echo", "unsupported_parameter")),
     ("logit-bias", completion(logit_bias={"50": 10}), error(
         "'logit_bias' is not supported.", "logit_bias", "unsupported_parameter")),
     ("missing-model", {"prompt": "x"}, error("Missing required parameter: 'model'.", "model")),
@@ -134,13 +146,13 @@ CHAT_CASES = [
         "integer_below_min_value")),
     # The fake's template: "<|user|>x\n<|assistant|>" is 23 tokens.
     ("context", chat(max_tokens=64), error(
-        "This model's context holds 64 tokens, but the prompt has 23 tokens and 'max_tokens' "
-        "asks for 64 more (87 in total). Shorten the prompt or lower 'max_tokens'.",
-        "max_tokens", "context_length_exceeded")),
+        "This model's maximum context length is 64 tokens. However, you requested 87 tokens "
+        "(23 in the messages, 64 in the completion). Please reduce the length of the messages "
+        "or 'max_tokens'.", "max_tokens", "context_length_exceeded")),
     ("long-messages", chat(messages=[{"role": "user", "content": "x" * 60}]), error(
-        "This model's context holds 64 tokens, and the prompt alone has 82 tokens, leaving "
-        "no room for a completion. Shorten the prompt.", "messages",
-        "context_length_exceeded")),
+        "This model's maximum context length is 64 tokens. However, your messages resulted in "
+        "82 tokens, leaving no room for a completion. Please reduce the length of the "
+        "messages.", "messages", "context_length_exceeded")),
     ("top-logprobs-alone", chat(top_logprobs=2), error(
         "'top_logprobs' requires 'logprobs' to be true.", "top_logprobs")),
     ("top-logprobs-high", chat(logprobs=True, top_logprobs=21), error(
@@ -171,6 +183,30 @@ async def test_bad_chat_requests(body: dict[str, Any], expected: dict[str, Any])
     assert response.status_code == 400
     assert response.json() == expected
     assert engine.submitted == []
+
+
+def is_context_window_error(status: int, message: str) -> bool:
+    """How litellm tells a context-window overflow from other 400s of an OpenAI-compatible
+    server (its exception mapping raises ContextWindowExceededError on this phrase, and its
+    context-window fallbacks act on that exception)."""
+    return status == 400 and "This model's maximum context length is" in message
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    ("/v1/completions", completion(max_tokens=60)),
+    ("/v1/completions", completion(prompt="x" * 64)),
+    ("/v1/completions", completion(prompt=["hello", "x" * 64])),
+    ("/v1/chat/completions", chat(max_tokens=64)),
+    ("/v1/chat/completions", chat(messages=[{"role": "user", "content": "x" * 60}])),
+], ids=["max-tokens", "prompt", "batch", "chat-max-tokens", "chat-messages"])
+async def test_context_errors_read_as_openai_s(path: str, body: dict[str, Any]) -> None:
+    app, _ = make_app()
+    async with asgi_client(app) as client:
+        response = await client.post(path, json=body)
+    error = response.json()["error"]
+    assert is_context_window_error(response.status_code, error["message"]), error
+    assert error["message"].startswith("This model's maximum context length is 64 tokens. ")
+    assert (error["type"], error["code"]) == ("invalid_request_error", "context_length_exceeded")
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])

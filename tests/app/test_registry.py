@@ -24,7 +24,7 @@ from app.db import make_engine, session_factory, session_scope
 from app.models import Adapter, AdapterStatus, AdapterVersion, AuditLog, Tenant, utcnow
 from app.registry.archive import CONFIG_FILE, WEIGHTS_FILE
 from app.registry.service import AdapterRegistry
-from engine.client import AdapterInfo
+from engine.client import AdapterInfo, EngineUnavailable
 from engine.lora.weights import AdapterError
 from tests.app.test_archive import Entry, write_tar_gz, write_zip
 from tests.utils.fake_engine import FakeEngine
@@ -217,6 +217,38 @@ async def test_a_failed_upload_does_not_remove_files_a_ready_version_uses(env: E
     with pytest.raises(APIError):
         await env.upload("again", env.archive(good))
     assert env.registry.store.digests() == [ready.sha256]
+
+
+async def test_an_upload_no_engine_can_validate_now_is_withdrawn(env: Env) -> None:
+    kept = await env.upload("kept", env.archive())
+    gone = await env.upload("gone", env.archive())
+    await env.registry.delete(gone.adapter_id, owner=None, by=ADMIN)
+    real_add = env.engine.add_adapter
+
+    async def unavailable(name: str, path: str) -> AdapterInfo:
+        env.engine.add_calls.append((name, Path(path)))
+        raise EngineUnavailable("no worker is in rotation")
+
+    env.engine.add_adapter = unavailable  # type: ignore[method-assign]
+    for name in ("new", "kept", "gone"):
+        with pytest.raises(APIError) as info:
+            await env.upload(name)
+        error = info.value
+        assert (error.status_code, error.code) == (503, "overloaded")
+        assert error.headers == {"Retry-After": "2"}
+    # A new name leaves no row; an existing one keeps its versions as they were; a
+    # deleted one stays deleted; no files but those of the ready version.
+    assert [(a.name, [v.version for v in a.versions], a.deleted_at is None)
+            for a in env.registry.list_adapters(include_deleted=True)] == [
+        ("kept", [1], True), ("gone", [1], False),
+    ]
+    assert env.registry.store.digests() == [kept.sha256]
+    assert env.tmp_entries() == []
+    assert [a for a, _ in env.audit_actions()][-6:] == [
+        "adapter.upload", "adapter.upload_withdrawn"] * 3
+    env.engine.add_adapter = real_add  # type: ignore[method-assign]
+    again = await env.upload("new")
+    assert (again.version, again.status) == (1, AdapterStatus.READY)
 
 
 async def test_archive_refusals_write_no_rows_and_leave_no_files(env: Env) -> None:

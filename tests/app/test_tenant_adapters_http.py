@@ -120,7 +120,7 @@ def test_tenant_uses_its_uploaded_adapter_and_others_cannot(service: Service) ->
     listed_a = {m.id for m in service.client("a").models.list().data}
     listed_b = {m.id for m in service.client("b").models.list().data}
     assert "support-bot" in listed_a and "support-bot" not in listed_b
-    for model in ("support-bot", "support-bot@1", "av/" + str(uploaded["id"])):
+    for model in ("support-bot", "support-bot@1", "av/" + str(uploaded["version_id"])):
         with pytest.raises(openai.NotFoundError) as caught:
             service.complete("b", model)
         assert caught.value.code == "model_not_found"

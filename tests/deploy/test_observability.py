@@ -122,7 +122,8 @@ def test_alerts_cover_what_operators_watch(rules: list[dict[str, Any]]) -> None:
         "loraplex_kv_cache_usage_ratio", "loraplex_rejections_total",
         "loraplex_usage_records_pending", "loraplex_directory_staleness_seconds",
         "loraplex_quota_fail_open_total", "loraplex_time_to_first_token_seconds_bucket",
-        "loraplex_gateway_overhead_seconds_bucket",
+        "loraplex_gateway_overhead_seconds_bucket", "loraplex_engine_failed",
+        "loraplex_engine_step_failures_total",
     } <= named
 
 

@@ -144,6 +144,23 @@ def test_rejects_requests_that_cannot_fit(smollm2_dir) -> None:
     assert core.block_manager.num_free_blocks == core.runner.num_blocks
 
 
+def test_context_rejections_are_worded_as_openai_s(tiny_model_factory) -> None:
+    # Clients such as litellm recognise a context overflow by OpenAI's first sentence.
+    core = EngineCore(EngineConfig(model=str(tiny_model_factory("llama_gqa")), max_loras=0))
+    context = core.max_model_len
+    for num_prompt_tokens, max_tokens, param in [(context, 1, "messages"),
+                                                 (context - 2, 10, "max_tokens")]:
+        with pytest.raises(RequestRejected) as err:
+            core.check_request(num_prompt_tokens, max_tokens)
+        assert str(err.value).startswith(
+            f"This model's maximum context length is {context} tokens. However, "
+        )
+        assert (err.value.code, err.value.param) == ("context_length_exceeded", param)
+    with pytest.raises(RequestRejected, match=rf"you requested {context + 8} tokens "
+                       rf"\({context - 2} in the prompt, 10 in the completion\)"):
+        core.check_request(context - 2, 10)
+
+
 def test_stop_string_and_max_tokens(smollm2_dir, prompt_ids, expected) -> None:
     from transformers import AutoTokenizer
 

@@ -22,12 +22,14 @@ from engine.placement import (
     check_combination,
     load_tenants,
     load_topology,
+    parse_topology,
     plan,
 )
 from engine.placement.memory import GIB
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "placement"
-TOPOLOGIES = ("a100_80gb_7x1g", "h200_mixed", "no_mig", "mig_auto", "issue_example")
+TOPOLOGIES = ("a100_80gb_7x1g", "h200_mixed", "no_mig", "mig_auto", "issue_example",
+              "two_nodes_7x1g")
 
 
 @pytest.fixture(scope="module")
@@ -163,16 +165,32 @@ def test_h200_mixed_gives_dedicated_tenants_the_smallest_slice_that_fits(
     result = make_plan(topology("h200_mixed"), load_tenants(FIXTURES / "tenants_mixed.yaml"),
                        llama8b)
     # acme (35.6 GiB) needs the 3g.71gb, globex (23.1 GiB) the 2g.35gb; the 1g.18gb (16 GiB)
-    # slices are too small for an 8B worker, so the shared tenants have nowhere to go.
+    # slices are too small for an 8B worker, so globex gives the 2g.35gb up to the shared
+    # tenants, who would have nowhere to go.
     assert summary(result) == [
         (0, "3g.71gb", "dedicated", ("acme",)),
-        (0, "2g.35gb", "dedicated", ("globex",)),
+        (0, "2g.35gb", "shared", ("small-co", "initech")),
     ]
     assert [w.env["CUDA_VISIBLE_DEVICES"] for w in result.workers] == [
         "MIG-7b2e4f10-3c5d-5e6f-9a0b-00000000a001", "MIG-7b2e4f10-3c5d-5e6f-9a0b-00000000a002"
     ]
-    assert [u.tenant for u in result.unplaced] == ["small-co", "initech"]
-    assert result.unplaced[0].reason == (
+    assert [(u.tenant, u.reason) for u in result.unplaced] == [
+        ("globex", "no free GPU or MIG slice is left for a dedicated worker once one is kept "
+                   "for the shared tenants (small-co, initech)"),
+    ]
+    # Without shared tenants the slices stay the dedicated ones', and a shared tenant
+    # that fits nowhere says why.
+    dedicated_only = [t for t in load_tenants(FIXTURES / "tenants_mixed.yaml") if t.dedicated]
+    assert summary(make_plan(topology("h200_mixed"), dedicated_only, llama8b)) == [
+        (0, "3g.71gb", "dedicated", ("acme",)),
+        (0, "2g.35gb", "dedicated", ("globex",)),
+    ]
+    only_small = [TenantSpec("small-co", "shared", 1, None)]
+    h200_small = parse_topology({"nodes": [{"name": "node-h200", "gpus": [
+        {"index": 0, "model": "H200", "memory_gb": 141, "mig": ["1g.18gb", "1g.18gb"]},
+    ]}]})
+    [small] = make_plan(h200_small, only_small, llama8b).unplaced
+    assert small.reason == (
         "a worker of this model needs at least 19.10 GiB (weights 14.96 + KV cache 0.00 for "
         "16 tokens + adapters 2.50 + activations 0.65 + CUDA context 1.00); the largest slot "
         "left for shared workers has 16.00 GiB (node-h200 GPU 0 MIG 1g.18gb)"
@@ -264,12 +282,19 @@ def test_dedicated_tenants_never_share(smollm2: ModelConfig) -> None:
     tenants = [TenantSpec(f"t{i}", "dedicated", 1, 1024) for i in range(9)]
     tenants.append(TenantSpec("shared-co", "shared", 1, 1024))
     result = make_plan(topology("a100_80gb_7x1g"), tenants, smollm2)
-    assert [w.tenants for w in result.workers] == [(f"t{i}",) for i in range(7)]
+    # The last slice is kept for the shared tenant; t6 gives it up, t7 and t8 never had one.
+    assert [w.tenants for w in result.workers] == [
+        *[(f"t{i}",) for i in range(6)], ("shared-co",)
+    ]
     assert [(u.tenant, u.reason) for u in result.unplaced] == [
+        ("t6", "no free GPU or MIG slice is left for a dedicated worker once one is kept for "
+               "the shared tenants (shared-co)"),
         ("t7", "no free GPU or MIG slice is left for a dedicated worker"),
         ("t8", "no free GPU or MIG slice is left for a dedicated worker"),
-        ("shared-co", "no GPU or MIG slice is left for shared workers"),
     ]
+    dedicated_only = make_plan(topology("a100_80gb_7x1g"), tenants[:9], smollm2)
+    assert [w.tenants for w in dedicated_only.workers] == [(f"t{i}",) for i in range(7)]
+    assert [u.tenant for u in dedicated_only.unplaced] == ["t7", "t8"]
 
 
 def test_shared_tenants_draw_from_one_pool(smollm2: ModelConfig) -> None:
@@ -301,3 +326,28 @@ def test_a_sequence_longer_than_any_shared_worker(llama8b: ModelConfig) -> None:
                  f"holds {holds}"),
     ]
     assert {w.tenants for w in result.workers} == {("short",)}
+
+
+def test_shared_tenants_keep_a_worker_when_dedicated_ones_outnumber_the_slices(
+    smollm2: ModelConfig,
+) -> None:
+    tenants = load_tenants(FIXTURES / "tenants_crowded.yaml")
+    result = make_plan(topology("two_nodes_7x1g"), tenants, smollm2)
+    shared = ("s01", "s02", "s03", "s04", "s05")
+    # Largest footprint first, each on the first free slice; the smallest (d14) gives up
+    # the last slice to the shared tenants' worker.
+    assert [(w.node, w.env["CUDA_VISIBLE_DEVICES"][-4:], w.isolation, w.tenants)
+            for w in result.workers] == [
+        *[("node-a", f"a00{i + 1}", "dedicated", (f"d0{i + 1}",)) for i in range(7)],
+        ("node-b", "b001", "dedicated", ("d08",)),
+        ("node-b", "b002", "dedicated", ("d09",)),
+        ("node-b", "b003", "dedicated", ("d10",)),
+        ("node-b", "b004", "dedicated", ("d11",)),
+        ("node-b", "b005", "dedicated", ("d12",)),
+        ("node-b", "b006", "dedicated", ("d13",)),
+        ("node-b", "b007", "shared", shared),
+    ]
+    assert [(u.tenant, u.reason) for u in result.unplaced] == [
+        ("d14", "no free GPU or MIG slice is left for a dedicated worker once one is kept "
+                "for the shared tenants (s01, s02, s03, s04, s05)"),
+    ]

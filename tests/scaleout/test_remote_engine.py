@@ -65,15 +65,20 @@ class Cluster:
     stack: contextlib.ExitStack
 
     async def add_worker(
-        self, worker_id: str, *, token: str = TOKEN, dedicated: tuple[str, ...] = ()
+        self, worker_id: str, *, token: str = TOKEN, dedicated: tuple[str, ...] = (),
+        preloaded: tuple[str, ...] = (),
     ) -> Worker:
+        """preloaded: adapters the worker serves from the start, as `--lora` gives."""
         engine = StrictEngine(model_id=MODEL, max_model_len=4096, token_delay_s=0.01)
+        for name in preloaded:
+            await engine.add_adapter(name, f"/opt/loras/{name}")
         app = create_worker_app(engine, token=token, data_dir=self.data_dir, keepalive_s=0.1)
         base = self.stack.enter_context(serve_in_thread(app))
         port = int(base.rsplit(":", 1)[1])
         proxy = self.stack.enter_context(TcpProxy("127.0.0.1", port))
         identity = make_identity(worker_id=worker_id, url=f"http://127.0.0.1:{proxy.port}",
-                                 device="cpu", mig_profile=None, dedicated_tenants=dedicated)
+                                 device="cpu", mig_profile=None, dedicated_tenants=dedicated,
+                                 preloaded_adapters=preloaded)
         publisher = HeartbeatPublisher(aioredis.Redis.from_url(self.redis_url), identity, engine,
                                        interval_s=INTERVAL_S, ttl_s=TTL_S)
         await publisher.start()
@@ -158,6 +163,30 @@ async def _run(engine: RemoteEngine, request_id: str, *, adapter: str | None = N
 
 def _registered(cluster: Cluster, name: str) -> set[str]:
     return {w.worker_id for w in cluster.workers.values() if name in w.engine.adapters}
+
+
+async def test_a_workers_own_adapter_is_listed_and_served_there_only(cluster: Cluster) -> None:
+    # The adapter's rendezvous order puts its only holder last: unrestricted, routing
+    # would send its requests to workers that do not have it.
+    *others, holder = rendezvous_order("house", ["w1", "w2", "w3"])
+    for worker_id in ("w1", "w2", "w3"):
+        await cluster.add_worker(worker_id,
+                                 preloaded=("house",) if worker_id == holder else ())
+    async with remote(cluster) as engine:
+        info = cluster.workers[holder].engine.adapters["house"]
+        assert engine.get_adapter("house") == info
+        assert [i.name for i in engine.list_adapters()] == ["house"]
+        assert engine.pool.preloading("house") == {holder}
+        for i in range(4):
+            route = engine.route([f"h{i}"], adapter_id="house", tenant_id="t", dedicated=False)
+            assert route.worker_id == holder
+            outputs = await _run(engine, f"h{i}", adapter="house")
+            assert outputs[-1].finished and route.worker_id == holder
+        assert all(not cluster.workers[w].engine.submitted for w in others)
+        # Its holder gone, the adapter is no longer served (nor sent elsewhere).
+        kill(cluster.workers[holder])
+        await _wait_for(lambda: holder not in {w.worker_id for w in engine.pool.all()})
+        assert engine.get_adapter("house") is None and engine.list_adapters() == []
 
 
 async def test_an_adapter_sticks_to_one_worker_and_moves_when_it_dies(

@@ -13,70 +13,28 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
-import subprocess
-import sys
 import time
-from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from collections.abc import Callable
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
 import redis
 
 from engine.remote.heartbeat import WORKERS_SET, worker_key
 from engine.remote.protocol import WORKER_HEADER
 from tests.utils.peft_adapters import make_peft_adapter
+from tests.utils.processes import cli_process, free_port, log_tail, scaleout_env, wait_until
 from tests.utils.saas import (
     ADMIN_KEY,
-    SECRET_KEY,
     bearer,
     create_key,
     create_tenant,
     upload_adapter,
 )
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "e2e-worker-token-0123456789abcdef"
-_CLI = "from app.cli import main; main()"
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-@contextmanager
-def _process(args: list[str], env: dict[str, str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
-    with log.open("wb") as out:
-        proc = subprocess.Popen([sys.executable, "-c", _CLI, *args], cwd=REPO_ROOT, env=env,
-                                stdout=out, stderr=subprocess.STDOUT)
-    try:
-        yield proc
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(10)
-
-
-def _tail(log: Path) -> str:
-    return log.read_text(errors="replace")[-3000:]
-
-
-def _wait(condition: Callable[[], bool], timeout: float, what: str, logs: list[Path]) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            if condition():
-                return
-        except httpx.TransportError:
-            pass
-        if time.monotonic() > deadline:
-            pytest.fail(f"{what} within {timeout} s\n" + "\n".join(_tail(p) for p in logs))
-        time.sleep(0.1)
 
 
 def _chat(client: httpx.Client, key: str, model: str, **extra: Any) -> httpx.Response:
@@ -90,33 +48,22 @@ def test_gateway_routes_to_workers_and_survives_a_killed_worker(
 ) -> None:
     model_dir = tiny_model_factory("llama_gqa")
     adapter_dir = make_peft_adapter(model_dir, tmp_path / "adapter", r=4, alpha=8, seed=3)
-    env = {
-        **os.environ,
-        "LORAPLEX_DATA_DIR": str(tmp_path / "data"),  # shared: the adapter store
-        "REDIS_URL": redis_url,
-        "DATABASE_URL": sqlite_url,
-        "LORAPLEX_WORKER_TOKEN": TOKEN,
-        "LORAPLEX_ADMIN_KEY": ADMIN_KEY,
-        "LORAPLEX_SECRET_KEY": SECRET_KEY,
-        "LORAPLEX_HEARTBEAT_INTERVAL_S": "0.5",
-        "LORAPLEX_HEARTBEAT_TTL_S": "2",
-        "OMP_NUM_THREADS": "1",
-    }
+    env = scaleout_env(tmp_path / "data", redis_url, sqlite_url, TOKEN)  # data: the store
     engine_flags = ["--model", str(model_dir), "--device", "cpu", "--kv-cache-tokens", "4096",
                     "--max-num-seqs", "8", "--max-loras", "2", "--max-lora-rank", "8"]
-    ports = {name: _free_port() for name in ("w1", "w2", "w3", "gateway")}
+    ports = {name: free_port() for name in ("w1", "w2", "w3", "gateway")}
     logs = {name: tmp_path / f"{name}.log" for name in ports}
     rds = redis.Redis.from_url(redis_url)
     with ExitStack() as stack:
         procs = {
-            name: stack.enter_context(_process(
+            name: stack.enter_context(cli_process(
                 ["worker", "--port", str(ports[name]), "--worker-id", name, *engine_flags,
                  *(["--dedicated-tenant", "t_dedicated"] if name == "w3" else [])],
                 env, logs[name],
             ))
             for name in ("w1", "w2", "w3")
         }
-        procs["gateway"] = stack.enter_context(_process(
+        procs["gateway"] = stack.enter_context(cli_process(
             ["gateway", "--port", str(ports["gateway"]), "--model", str(model_dir)],
             env, logs["gateway"],
         ))
@@ -131,7 +78,7 @@ def test_gateway_routes_to_workers_and_survives_a_killed_worker(
                 return []
             return [w["id"] for w in view.json()["workers"] if w["in_rotation"]]
 
-        _wait(lambda: in_rotation() == ["w1", "w2", "w3"], 120, "three workers in rotation",
+        wait_until(lambda: in_rotation() == ["w1", "w2", "w3"], 120, "three workers in rotation",
               all_logs)
         view = client.get("/admin/engine", headers=bearer(ADMIN_KEY)).json()["workers"]
         assert [(w["url"], w["device"], w["dedicated_tenants"]) for w in view] == [
@@ -175,7 +122,7 @@ def test_gateway_routes_to_workers_and_survives_a_killed_worker(
         assert recovered_s < 10, f"took {recovered_s:.1f} s"
         print(f"\nkill -9 of {home} -> a request served by {other} after {recovered_s:.2f} s")
         assert _chat(client, key, "tiny-lora").headers[WORKER_HEADER] == other
-        _wait(lambda: in_rotation() == sorted({other, "w3"}), 5, "the dead worker gone",
+        wait_until(lambda: in_rotation() == sorted({other, "w3"}), 5, "the dead worker gone",
               all_logs)
         metrics = client.get("/metrics").text
         assert 'loraplex_workers{state="in_rotation"} 2.0' in metrics
@@ -209,8 +156,8 @@ def test_gateway_routes_to_workers_and_survives_a_killed_worker(
         # SIGTERM: out of Redis at once, then a clean exit.
         assert rds.exists(worker_key("w3"))
         procs["w3"].send_signal(signal.SIGTERM)
-        _wait(lambda: not rds.exists(worker_key("w3")), 2, "the heartbeat deleted", all_logs)
-        assert procs["w3"].wait(15) == 0, _tail(logs["w3"])
+        wait_until(lambda: not rds.exists(worker_key("w3")), 2, "the heartbeat deleted", all_logs)
+        assert procs["w3"].wait(15) == 0, log_tail(logs["w3"])
         assert rds.smembers(WORKERS_SET) <= {home.encode(), other.encode()}
-        _wait(lambda: client.get("/ready").status_code == 503, 5, "the gateway unready",
+        wait_until(lambda: client.get("/ready").status_code == 503, 5, "the gateway unready",
               all_logs)

@@ -75,6 +75,7 @@ class FakeEngine:
         self.fail_with = fail_with
         self._max_adapter_bytes = max_adapter_bytes
         self.ready = True
+        self.failed: str | None = None  # set by a test: the engine failed for good
         self.num_waiting = 0
         self.kv_usage = 0.0
         self.shut_down = False
@@ -122,7 +123,10 @@ class FakeEngine:
         )
 
     def is_ready(self) -> bool:
-        return self.ready and not self.shut_down
+        return self.ready and not self.shut_down and self.failed is None
+
+    def failure(self) -> str | None:
+        return self.failed
 
     def get_adapter(self, name: str) -> AdapterInfo | None:
         return self.adapters.get(name)

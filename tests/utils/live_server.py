@@ -14,7 +14,9 @@ from fastapi import FastAPI
 
 @contextlib.contextmanager
 def serve_in_thread(app: FastAPI) -> Iterator[str]:
-    sock = socket.socket()
+    # NOTE: asyncio sets TCP_NODELAY only on sockets whose proto is IPPROTO_TCP; with
+    # proto 0 every response waits out the client's delayed ACK (about 40 ms).
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))

@@ -3,7 +3,9 @@ routes (`adapters:write` keys, the caller's own tenant only).
 
 Uploads are multipart forms (`file`: a .zip or .tar.gz of a PEFT directory, `name`,
 and on the admin route `tenant_id`, omitted for a shared adapter). Their bodies skip the
-general body limit (see UPLOAD_PATHS) and are streamed to disk under their own.
+general body limit (see UPLOAD_PATHS) and are streamed to disk under their own. They
+answer 201 with the adapter (its id is the one GET and DELETE take, also in `Location`)
+and, flat, the version they made.
 """
 
 from __future__ import annotations
@@ -13,12 +15,19 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Annotated
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Request, Response
 from starlette.requests import ClientDisconnect
 
 from app.api.deps import AdminPrincipal, require_scope
 from app.api.errors import APIError
-from app.api.schemas.adapters import AdapterList, AdapterOut, AdapterVersionOut
+from app.api.openapi import error_responses, request_body
+from app.api.schemas.adapters import (
+    AdapterList,
+    AdapterOut,
+    AdapterUpload,
+    AdapterUploadOut,
+    AdminAdapterUpload,
+)
 from app.api.state import AppState, AppStateDep
 from app.audit import AuditContext
 from app.core.principal import Principal
@@ -31,7 +40,7 @@ from app.registry.upload_form import (
     file_too_large,
     read_upload_form,
 )
-from app.registry.views import SHARED_OWNER
+from app.registry.views import SHARED_OWNER, VersionView
 
 ADMIN_ADAPTERS = "/admin/adapters"
 TENANT_ADAPTERS = "/v1/adapters"
@@ -102,15 +111,23 @@ async def received_upload(
 # ------------------------------------------------------------------------------ admin
 
 
-@router.post(ADMIN_ADAPTERS, status_code=201, response_model=AdapterVersionOut)
+@router.post(
+    ADMIN_ADAPTERS,
+    status_code=201,
+    response_model=AdapterUploadOut,
+    responses=error_responses(400, 404, 409, 422, 503),
+    openapi_extra=request_body(AdminAdapterUpload, "multipart/form-data"),
+)
 async def admin_upload(
-    request: Request, principal: AdminPrincipal, state: AppStateDep
-) -> AdapterVersionOut:
-    return await upload_for_admin(request, state, by=_audit_context(request, principal))
+    request: Request, response: Response, principal: AdminPrincipal, state: AppStateDep
+) -> AdapterUploadOut:
+    uploaded = await upload_for_admin(request, state, by=_audit_context(request, principal))
+    response.headers["Location"] = f"{ADMIN_ADAPTERS}/{uploaded.id}"
+    return uploaded
 
 
 async def upload_for_admin(request: Request, state: AppState, *, by: AuditContext
-                           ) -> AdapterVersionOut:
+                           ) -> AdapterUploadOut:
     """The admin upload form (file, name, tenant_id: omitted = shared), streamed into the
     registry; the admin API and the admin UI both take uploads through here."""
     registry = state.registry
@@ -123,8 +140,13 @@ async def upload_for_admin(request: Request, state: AppState, *, by: AuditContex
             tenant_id=form.fields.get("tenant_id") or None,
             by=by,
         )
+    return await _uploaded(state, version)
+
+
+async def _uploaded(state: AppState, version: VersionView) -> AdapterUploadOut:
     await _refresh(state)
-    return AdapterVersionOut.of(version)
+    adapter = await asyncio.to_thread(state.registry.get_adapter, version.adapter_id)
+    return AdapterUploadOut.of_upload(adapter, version)
 
 
 @router.get(ADMIN_ADAPTERS, response_model=AdapterList)
@@ -139,12 +161,16 @@ def admin_list(
     return AdapterList(data=[AdapterOut.of(v) for v in views])
 
 
-@router.get(ADMIN_ADAPTERS + "/{adapter_id}", response_model=AdapterOut)
+@router.get(
+    ADMIN_ADAPTERS + "/{adapter_id}", response_model=AdapterOut, responses=error_responses(404)
+)
 def admin_get(adapter_id: str, principal: AdminPrincipal, state: AppStateDep) -> AdapterOut:
     return AdapterOut.of(state.registry.get_adapter(adapter_id))
 
 
-@router.delete(ADMIN_ADAPTERS + "/{adapter_id}", response_model=AdapterOut)
+@router.delete(
+    ADMIN_ADAPTERS + "/{adapter_id}", response_model=AdapterOut, responses=error_responses(404)
+)
 async def admin_delete(
     adapter_id: str, request: Request, principal: AdminPrincipal, state: AppStateDep
 ) -> AdapterOut:
@@ -158,10 +184,16 @@ async def admin_delete(
 # ----------------------------------------------------------------------------- tenant
 
 
-@router.post(TENANT_ADAPTERS, status_code=201, response_model=AdapterVersionOut)
+@router.post(
+    TENANT_ADAPTERS,
+    status_code=201,
+    response_model=AdapterUploadOut,
+    responses=error_responses(400, 409, 422, 503),
+    openapi_extra=request_body(AdapterUpload, "multipart/form-data"),
+)
 async def tenant_upload(
-    request: Request, principal: AdapterWriter, state: AppStateDep
-) -> AdapterVersionOut:
+    request: Request, response: Response, principal: AdapterWriter, state: AppStateDep
+) -> AdapterUploadOut:
     registry = state.registry
     async with received_upload(
         request,
@@ -176,8 +208,9 @@ async def tenant_upload(
             by=_audit_context(request, principal),
             enforce_quota=principal.tenant is not None,
         )
-    await _refresh(state)
-    return AdapterVersionOut.of(version)
+    uploaded = await _uploaded(state, version)
+    response.headers["Location"] = f"{TENANT_ADAPTERS}/{uploaded.id}"
+    return uploaded
 
 
 @router.get(TENANT_ADAPTERS, response_model=AdapterList)
@@ -187,12 +220,16 @@ def tenant_list(principal: AdapterWriter, state: AppStateDep) -> AdapterList:
     return AdapterList(data=[AdapterOut.of(v) for v in views])
 
 
-@router.get(TENANT_ADAPTERS + "/{adapter_id}", response_model=AdapterOut)
+@router.get(
+    TENANT_ADAPTERS + "/{adapter_id}", response_model=AdapterOut, responses=error_responses(404)
+)
 def tenant_get(adapter_id: str, principal: AdapterWriter, state: AppStateDep) -> AdapterOut:
     return AdapterOut.of(state.registry.get_adapter(adapter_id, owner=_own(principal)))
 
 
-@router.delete(TENANT_ADAPTERS + "/{adapter_id}", response_model=AdapterOut)
+@router.delete(
+    TENANT_ADAPTERS + "/{adapter_id}", response_model=AdapterOut, responses=error_responses(404)
+)
 async def tenant_delete(
     adapter_id: str, request: Request, principal: AdapterWriter, state: AppStateDep
 ) -> AdapterOut:

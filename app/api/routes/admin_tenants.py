@@ -12,6 +12,7 @@ from fastapi import APIRouter, Request, Response
 from app import tenants as crud
 from app.api.deps import AdminPrincipal, SessionDep
 from app.api.errors import invalid_request
+from app.api.openapi import error_responses
 from app.api.schemas.tenants import (
     AdminKeyCreate,
     AuditOut,
@@ -44,7 +45,9 @@ def _by(request: Request, principal: Principal) -> AuditContext:
 # ----------------------------------------------------------------------------- tenants
 
 
-@router.post("/tenants", status_code=201, response_model=TenantOut)
+@router.post(
+    "/tenants", status_code=201, response_model=TenantOut, responses=error_responses(409)
+)
 def create_tenant(
     body: TenantCreate,
     request: Request,
@@ -75,12 +78,14 @@ def list_tenants(
     return ListOf[TenantOut](data=[TenantOut.of(r) for r in rows])
 
 
-@router.get("/tenants/{tenant_id}", response_model=TenantOut)
+@router.get("/tenants/{tenant_id}", response_model=TenantOut, responses=error_responses(404))
 def get_tenant(tenant_id: str, principal: AdminPrincipal, session: SessionDep) -> TenantOut:
     return TenantOut.of(crud.get_tenant(session, tenant_id=tenant_id))
 
 
-@router.patch("/tenants/{tenant_id}", response_model=TenantOut)
+@router.patch(
+    "/tenants/{tenant_id}", response_model=TenantOut, responses=error_responses(404, 409)
+)
 def update_tenant(
     tenant_id: str,
     body: TenantUpdate,
@@ -107,7 +112,12 @@ def update_tenant(
     return TenantOut.of(row)
 
 
-@router.delete("/tenants/{tenant_id}", status_code=204, response_class=Response)
+@router.delete(
+    "/tenants/{tenant_id}",
+    status_code=204,
+    response_class=Response,
+    responses=error_responses(404),
+)
 def delete_tenant(
     tenant_id: str,
     request: Request,
@@ -124,7 +134,12 @@ def delete_tenant(
 # -------------------------------------------------------------------------------- keys
 
 
-@router.post("/tenants/{tenant_id}/keys", status_code=201, response_model=CreatedKeyOut)
+@router.post(
+    "/tenants/{tenant_id}/keys",
+    status_code=201,
+    response_model=CreatedKeyOut,
+    responses=error_responses(404),
+)
 def create_tenant_key(
     tenant_id: str,
     body: TenantKeyCreate,
@@ -147,7 +162,9 @@ def create_tenant_key(
     return CreatedKeyOut(**KeyOut.fields_of(created.row), key=created.key)
 
 
-@router.get("/tenants/{tenant_id}/keys", response_model=ListOf[KeyOut])
+@router.get(
+    "/tenants/{tenant_id}/keys", response_model=ListOf[KeyOut], responses=error_responses(404)
+)
 def list_tenant_keys(
     tenant_id: str, principal: AdminPrincipal, session: SessionDep
 ) -> ListOf[KeyOut]:
@@ -180,7 +197,9 @@ def list_admin_keys(principal: AdminPrincipal, session: SessionDep) -> ListOf[Ke
     return ListOf[KeyOut](data=[KeyOut.of(r) for r in crud.list_admin_keys(session)])
 
 
-@router.delete("/keys/{key_id}", status_code=204, response_class=Response)
+@router.delete(
+    "/keys/{key_id}", status_code=204, response_class=Response, responses=error_responses(404)
+)
 def revoke_key(
     key_id: str,
     request: Request,

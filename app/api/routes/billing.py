@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict
 
 from app.api.deps import AdminPrincipal, SessionDep
 from app.api.errors import APIError, invalid_request
+from app.api.openapi import error_responses
 from app.api.schemas.tenants import ListOf
 from app.billing import service
 from app.billing.render import csv_filename
@@ -35,7 +36,9 @@ def _request_id(request: Request) -> str | None:
 # -------------------------------------------------------------------------------- plans
 
 
-@router.post("/plans", status_code=201, response_model=PlanView)
+@router.post(
+    "/plans", status_code=201, response_model=PlanView, responses=error_responses(409)
+)
 def create_plan(
     body: PlanCreate, request: Request, principal: AdminPrincipal, session: SessionDep
 ) -> PlanView:
@@ -51,7 +54,7 @@ def list_plans(principal: AdminPrincipal, session: SessionDep) -> ListOf[PlanVie
     return ListOf[PlanView](data=service.list_plans(session))
 
 
-@router.get("/plans/{name}", response_model=PlanView)
+@router.get("/plans/{name}", response_model=PlanView, responses=error_responses(404))
 def get_plan(name: str, principal: AdminPrincipal, session: SessionDep) -> PlanView:
     view = service.get_plan(session, name)
     if view is None:
@@ -62,7 +65,7 @@ def get_plan(name: str, principal: AdminPrincipal, session: SessionDep) -> PlanV
 # ----------------------------------------------------------------------------- invoices
 
 
-@router.post("/invoices", response_model=InvoiceView)
+@router.post("/invoices", response_model=InvoiceView, responses=error_responses(404))
 def generate_invoice(
     body: InvoiceCreate, request: Request, principal: AdminPrincipal, session: SessionDep
 ) -> InvoiceView:
@@ -79,7 +82,7 @@ def generate_invoice(
     return view
 
 
-@router.get("/invoices", response_model=ListOf[InvoiceView])
+@router.get("/invoices", response_model=ListOf[InvoiceView], responses=error_responses(404))
 def list_invoices(
     principal: AdminPrincipal, session: SessionDep, tenant_id: str | None = None
 ) -> ListOf[InvoiceView]:
@@ -91,8 +94,12 @@ def list_invoices(
 @router.get(
     "/invoices/{invoice_id}",
     response_model=InvoiceView,
-    responses={200: {"content": {"text/csv": {}, "text/html": {}},
-                     "description": "JSON, CSV or a printable HTML page"}},
+    responses={
+        200: {"content": {"text/csv": {"schema": {"type": "string"}},
+                          "text/html": {"schema": {"type": "string"}}},
+              "description": "JSON, CSV or a printable HTML page"},
+        **error_responses(400, 404),
+    },
 )
 def get_invoice(
     invoice_id: str,
@@ -119,7 +126,11 @@ def get_invoice(
     return view
 
 
-@router.post("/invoices/{invoice_id}/finalize", response_model=InvoiceView)
+@router.post(
+    "/invoices/{invoice_id}/finalize",
+    response_model=InvoiceView,
+    responses=error_responses(400, 404),
+)
 def finalize_invoice(
     invoice_id: str, request: Request, principal: AdminPrincipal, session: SessionDep
 ) -> InvoiceView:

@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from fastapi import APIRouter, Request, Response
 
 from app.api.deps import ServingPrincipal
 from app.api.generation import serve_generation
+from app.api.openapi import (
+    act_for_tenant_parameter,
+    error_responses,
+    event_stream,
+    request_body,
+)
 from app.api.protocol import CompletionRequest, CompletionResponse
 from app.api.responses import completion_response, completion_stream
 from app.api.serving import plan_completion, read_body
@@ -17,12 +25,19 @@ router = APIRouter(tags=["completions"])
 @router.post(
     "/v1/completions",
     response_model=CompletionResponse,
-    openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
-        "schema": CompletionRequest.model_json_schema()}}}},
+    responses={
+        200: {"description": "The completion", "content": event_stream(
+            CompletionResponse, 'With `"stream": true`: one event per chunk, then `[DONE]`'
+        )},
+        **error_responses(404, 429, 502, 503, 504),
+    },
+    openapi_extra=request_body(CompletionRequest) | act_for_tenant_parameter(),
 )
 async def create_completion(
     request: Request, state: AppStateDep, principal: ServingPrincipal
 ) -> Response:
     body = await read_body(request, CompletionRequest)
-    plan = plan_completion(state, body, principal)
+    # NOTE: in a thread: tokenizing a prompt of a few MB takes seconds, which would stall
+    # every other tenant's streams on the event loop.
+    plan = await asyncio.to_thread(plan_completion, state, body, principal)
     return await serve_generation(request, state, plan, completion_response, completion_stream)

@@ -19,6 +19,7 @@ from sqlalchemy.orm import Session
 
 from app.api.deps import AdminPrincipal, InferencePrincipal, SessionDep
 from app.api.errors import APIError, invalid_request
+from app.api.openapi import error_responses
 from app.api.schemas.usage import UsageReport
 from app.billing.records import tenant_plans
 from app.metering.reports import (
@@ -50,7 +51,7 @@ _CSV_TEXT_COLUMNS = frozenset({"adapter_name", "key_name"})
 _FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
 
 
-@router.get("/v1/usage", response_model=UsageReport)
+@router.get("/v1/usage", response_model=UsageReport, responses=error_responses(400))
 def own_usage(
     principal: InferencePrincipal,
     session: SessionDep,
@@ -70,7 +71,11 @@ def own_usage(
 @router.get(
     "/admin/usage",
     response_model=UsageReport,
-    responses={200: {"content": {"text/csv": {}}, "description": "JSON, or CSV"}},
+    responses={
+        200: {"content": {"text/csv": {"schema": {"type": "string"}}},
+              "description": "JSON, or CSV"},
+        **error_responses(400, 404),
+    },
 )
 def admin_usage(
     principal: AdminPrincipal,

@@ -1,5 +1,6 @@
 """Adapter registry bodies: versions, adapters and their lists (times in unix seconds).
-Uploads are multipart forms (file, name, tenant_id), read by app.registry.upload_form."""
+Uploads are multipart forms (file, name, tenant_id), read by app.registry.upload_form;
+they answer the adapter (AdapterUploadOut)."""
 
 from __future__ import annotations
 
@@ -16,12 +17,10 @@ def _unix(value: datetime) -> int:
     return int(value.timestamp())
 
 
-class AdapterVersionOut(BaseModel):
-    object: Literal["adapter.version"] = "adapter.version"
-    id: str  # the version's id
-    adapter_id: str
-    name: str
-    tenant_id: str | None  # None: shared with every tenant
+class VersionFields(BaseModel):
+    """What one version of an adapter is: in AdapterVersionOut, and flat in an upload's
+    answer (AdapterUploadOut). The names are VersionView's."""
+
     version: int
     status: AdapterStatus
     # ready: rank, alpha, use_rslora, target_modules, size_bytes, ...; failed: error
@@ -29,21 +28,28 @@ class AdapterVersionOut(BaseModel):
     sha256: str | None
     size_bytes: int | None
     created_by: str | None
+
+    @staticmethod
+    def fields_of(view: VersionView) -> dict[str, Any]:
+        return {name: getattr(view, name) for name in VersionFields.model_fields}
+
+
+class AdapterVersionOut(VersionFields):
+    object: Literal["adapter.version"] = "adapter.version"
+    id: str  # the version's id
+    adapter_id: str
+    name: str
+    tenant_id: str | None  # None: shared with every tenant
     created_at: int
 
     @classmethod
     def of(cls, view: VersionView) -> AdapterVersionOut:
         return cls(
+            **VersionFields.fields_of(view),
             id=view.id,
             adapter_id=view.adapter_id,
             name=view.name,
             tenant_id=view.tenant_id,
-            version=view.version,
-            status=view.status,
-            report=view.report,
-            sha256=view.sha256,
-            size_bytes=view.size_bytes,
-            created_by=view.created_by,
             created_at=_unix(view.created_at),
         )
 
@@ -74,6 +80,40 @@ class AdapterOut(BaseModel):
         )
 
 
+# NOTE: pydantic orders fields by the reversed MRO: AdapterOut's come first in the JSON.
+class AdapterUploadOut(VersionFields, AdapterOut):
+    """What an upload answers: the adapter, as GET /…/adapters/{id} shows it, plus the
+    version the upload made, flat (as uploads answered before they answered the
+    adapter)."""
+
+    # NOTE: `id` is the adapter's, so that the collection's GET and DELETE take it.
+    adapter_id: str  # the same as id
+    version_id: str
+
+    @classmethod
+    def of_upload(cls, adapter: AdapterView, version: VersionView) -> AdapterUploadOut:
+        assert adapter.id == version.adapter_id
+        return cls(
+            **AdapterOut.of(adapter).model_dump(exclude={"object"}),
+            **VersionFields.fields_of(version),
+            adapter_id=adapter.id,
+            version_id=version.id,
+        )
+
+
 class AdapterList(BaseModel):
     object: Literal["list"] = "list"
     data: list[AdapterOut]
+
+
+class AdapterUpload(BaseModel):
+    """The tenant upload form (POST /v1/adapters): multipart, read by read_upload_form."""
+
+    file: bytes  # a .zip or .tar.gz of a PEFT directory
+    name: str
+
+
+class AdminAdapterUpload(AdapterUpload):
+    """The admin upload form (POST /admin/adapters)."""
+
+    tenant_id: str = ""  # omitted or empty: shared with every tenant

@@ -1,0 +1,274 @@
+"""The prepared GPU check: every step timed, each failure recorded without stopping the
+rest, one JSON report (rewritten after each step) under --out.
+
+    python -m bench.gpu.check --out DIR            # a CUDA GPU: sized for 8 min on one H200
+    python -m bench.gpu.check --out DIR --dry-run  # the same steps on the CPU, tiny shapes
+    python -m bench.gpu.check --out DIR --steps engine_throughput  # a rerun of some steps
+
+bench/gpu/run.sh is the way in (it sets up the environment); docs/BENCHMARKS.md, "GPU".
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from bench.gpu import models
+from bench.gpu.plans import DRY_RUN_PLAN, GPU_PLAN, Plan
+from bench.gpu.report import (
+    ERROR,
+    FAILED,
+    NOT_APPLICABLE_CPU,
+    NOT_RUN_BUDGET,
+    NOT_SELECTED,
+    OK,
+    CheckReport,
+    StepOutcome,
+    StepReport,
+    machine_info,
+)
+
+# NOTE: the steps import what they use when they run, so that a module missing on the
+# device machine fails its steps, in the report, instead of the whole check.
+if TYPE_CHECKING:
+    from bench.gpu.engine_throughput import BenchModel
+    from bench.gpu.kernel_checks import BatchSpec, LoRAGroupShape
+
+
+@dataclass(slots=True)
+class Context:
+    plan: Plan
+    device: torch.device
+    work_dir: Path
+    start: float = field(default_factory=time.perf_counter)
+    _bench: BenchModel | None = None
+    _bench_error: Exception | None = None
+
+    def bench_model(self) -> BenchModel:
+        """The throughput model, built by the first step that needs it and kept."""
+        from bench.gpu.engine_throughput import BenchModel
+
+        if self._bench_error is not None:
+            raise RuntimeError("building the throughput model failed earlier") from (
+                self._bench_error
+            )
+        if self._bench is None:
+            try:
+                self._bench = BenchModel(self.plan.throughput, self.device, self.work_dir)
+            except Exception as exc:
+                self._bench_error = exc
+                raise
+        return self._bench
+
+    def close(self) -> None:
+        if self._bench is not None:
+            self._bench.close()
+            self._bench = None
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------------------- steps
+
+
+def _kernel_groups(plan: Plan) -> tuple[LoRAGroupShape, ...]:
+    from bench.gpu.kernel_checks import llama_groups
+
+    return llama_groups(*plan.kernel_dims)
+
+
+def _batches(specs: tuple[tuple[str, int, int, str], ...]) -> tuple[BatchSpec, ...]:
+    from bench.gpu.kernel_checks import BatchSpec
+
+    return tuple(BatchSpec(*spec) for spec in specs)
+
+
+def step_kernel_tests(ctx: Context) -> StepOutcome:
+    from bench.gpu.kernel_checks import run_kernel_tests
+
+    run = run_kernel_tests(ctx.plan.kernel_test_select, timeout_s=180)
+    results = {
+        "select": ctx.plan.kernel_test_select or "all",
+        "compiled": not run.interpreted,
+        "passed": run.passed,
+        "failed": run.failed,
+        "summary": run.summary,
+    }
+    problems = [] if run.returncode == 0 and run.passed > 0 else [f"pytest: {run.summary}"]
+    return StepOutcome(results, problems)
+
+
+def step_kernel_accuracy(ctx: Context) -> StepOutcome:
+    from bench.gpu.kernel_checks import as_rows, check_accuracy
+
+    dtypes = (torch.float16, torch.bfloat16)
+    groups = _kernel_groups(ctx.plan)
+    cases = check_accuracy(groups, _batches(ctx.plan.accuracy_batches), dtypes, ctx.device)
+    bad = [c for c in cases if not c.within_tolerance]
+    results = {
+        "hidden": ctx.plan.kernel_dims[0],
+        "compiled": ctx.device.type == "cuda",
+        "ranks": "8/16/32/64 mixed across slots and slices, buffers R=64",
+        "num_cases": len(cases),
+        "max_abs_err": {
+            d: max(c.max_abs_err for c in cases if c.dtype == d) for d in ("float16", "bfloat16")
+        },
+        "cases": as_rows(cases),
+    }
+    problems = [f"{c.op} {c.group} {c.batch} {c.dtype}: {c.max_abs_err:.3g}" for c in bad]
+    return StepOutcome(results, problems)
+
+
+def step_kernel_bandwidth(ctx: Context) -> StepOutcome:
+    from bench.gpu.kernel_checks import BANDWIDTH_AIM, as_rows, measure_bandwidth
+
+    plan = ctx.plan
+    copy_bps, cases = measure_bandwidth(
+        _kernel_groups(plan),
+        _batches(plan.bandwidth_batches),
+        torch.bfloat16,
+        ctx.device,
+        plan.copy_bytes,
+        plan.timing_warmup,
+        plan.timing_iters,
+    )
+    on_cuda = ctx.device.type == "cuda"
+    results = {
+        "timer": "cuda events" if on_cuda else "wall clock (interpreter: not a bandwidth)",
+        "copy_bytes_per_s": copy_bps,
+        "aim_fraction": BANDWIDTH_AIM,
+        "best_fraction": {
+            op: max(c.fraction_of_copy for c in cases if c.op == op) for op in ("shrink", "expand")
+        },
+        "cases": as_rows(cases),
+    }
+    return StepOutcome(results, not_applicable=not on_cuda)
+
+
+def step_engine_greedy_identity(ctx: Context) -> StepOutcome:
+    from bench.gpu.engine_identity import check_greedy_identity
+
+    return check_greedy_identity(ctx.plan.identity, ctx.device, ctx.work_dir)
+
+
+def step_engine_throughput(ctx: Context) -> StepOutcome:
+    from bench.gpu.engine_throughput import check_throughput
+
+    return check_throughput(ctx.plan.throughput, ctx.bench_model())
+
+
+def step_decode_cuda_graphs(ctx: Context) -> StepOutcome:
+    from bench.gpu.engine_throughput import check_decode_steps
+
+    on_cuda = ctx.device.type == "cuda"
+    return check_decode_steps(ctx.plan.throughput, ctx.bench_model(), on_cuda)
+
+
+STEPS: tuple[tuple[str, Callable[[Context], StepOutcome]], ...] = (
+    ("kernel_tests", step_kernel_tests),
+    ("kernel_accuracy", step_kernel_accuracy),
+    ("kernel_bandwidth", step_kernel_bandwidth),
+    ("engine_greedy_identity", step_engine_greedy_identity),
+    ("engine_throughput", step_engine_throughput),
+    ("decode_cuda_graphs", step_decode_cuda_graphs),
+)
+
+
+# ---------------------------------------------------------------------------- runner
+
+
+def run_step(ctx: Context, report: StepReport, fn: Callable[[Context], StepOutcome]) -> None:
+    print(f"\n=== {report.name} ===", flush=True)
+    start = time.perf_counter()
+    try:
+        outcome = fn(ctx)
+    except Exception as exc:  # a step's failure must not stop the rest
+        traceback.print_exc()
+        report.status = ERROR
+        report.error = f"{type(exc).__name__}: {exc}"
+    else:
+        report.results = outcome.results
+        if outcome.problems:
+            report.status = FAILED
+            report.error = "; ".join(outcome.problems)
+        else:
+            report.status = NOT_APPLICABLE_CPU if outcome.not_applicable else OK
+    report.seconds = round(time.perf_counter() - start, 3)
+    print(f"=== {report.name}: {report.status} in {report.seconds} s", flush=True)
+
+
+def run_check(
+    plan: Plan, out_dir: Path, device: torch.device, selected: set[str] | None = None
+) -> CheckReport:
+    """selected: the step names to run (None: all); the others are reported as not run."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    steps = [StepReport(name) for name, _ in STEPS]
+    mode = "dry-run" if plan.dry_run else "gpu"
+    report = CheckReport(mode=mode, machine=machine_info(), steps=steps)
+    report.write(out_dir)
+    with tempfile.TemporaryDirectory(prefix="loraplex-gpu-check-") as tmp:
+        # The 8B checkpoint (16 GB) goes to /dev/shm when it fits.
+        work = Path(tmp) if plan.dry_run else models.scratch_dir(20 * 2**30, Path(tmp))
+        work.mkdir(parents=True, exist_ok=True)
+        ctx = Context(plan, device, work)
+        try:
+            for step, (_, fn) in zip(steps, STEPS, strict=True):
+                if selected is not None and step.name not in selected:
+                    step.status = NOT_SELECTED
+                elif time.perf_counter() - ctx.start > plan.budget_s:
+                    step.status = NOT_RUN_BUDGET
+                else:
+                    run_step(ctx, step, fn)
+                report.total_s = round(time.perf_counter() - ctx.start, 3)
+                report.write(out_dir)
+        finally:
+            ctx.close()
+            if work != Path(tmp):
+                shutil.rmtree(work, ignore_errors=True)
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.gpu.check", description=__doc__)
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu-out")))
+    parser.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, interpreter")
+    names = [name for name, _ in STEPS]
+    parser.add_argument(
+        "--steps",
+        help=f"comma-separated steps to run, for a rerun (default: all): {','.join(names)}",
+    )
+    args = parser.parse_args(argv)
+    selected = None if args.steps is None else set(args.steps.split(","))
+    if selected is not None and not selected <= set(names):
+        parser.error(f"unknown steps: {', '.join(sorted(selected - set(names)))}")
+    if args.dry_run:
+        # NOTE: triton reads it when the kernels are first decorated, i.e. imported.
+        os.environ["TRITON_INTERPRET"] = "1"
+        plan, device = DRY_RUN_PLAN, torch.device("cpu")
+    else:
+        if not torch.cuda.is_available():
+            print("the GPU check needs CUDA; --dry-run runs it on the CPU", file=sys.stderr)
+            return 2
+        plan, device = GPU_PLAN, torch.device("cuda")
+    report = run_check(plan, args.out, device, selected)
+    print("\n" + "\n".join(f"{s.name:24} {s.status:22} {s.seconds} s" for s in report.steps))
+    print(f"report: {args.out / 'gpu-check.json'} ({report.total_s} s)", flush=True)
+    passed = (OK, NOT_APPLICABLE_CPU, NOT_SELECTED)
+    return 0 if all(s.status in passed for s in report.steps) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

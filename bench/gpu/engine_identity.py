@@ -1,0 +1,167 @@
+"""The engine against Hugging Face on one random model: greedy token identity in float32,
+base and mixed LoRA adapters in one batch (against PEFT), and top-1 agreement in bfloat16."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from bench.adapters import ALL_LINEAR, ATTENTION, write_random_adapter
+from bench.gpu.engine_runs import (
+    close_core,
+    engine_requests,
+    hf_greedy,
+    hf_teacher_forced_top1,
+    load_peft,
+    make_core,
+    release,
+    run_engine,
+)
+from bench.gpu.models import build_random_model
+from bench.gpu.plans import IdentityPlan
+from bench.gpu.report import StepOutcome
+from bench.workload import BenchRequest, make_requests
+from engine.engine_core import EngineCore
+from engine.model_loader import load_model_config
+
+# Adapter scale: alpha = ALPHA_PER_RANK * r. bench/adapters.py draws B small ("a modest
+# effect"); scaled up, the adapters change greedy picks, or identity would prove little.
+ALPHA_PER_RANK = 64
+
+
+def check_greedy_identity(plan: IdentityPlan, device: torch.device, work_dir: Path) -> StepOutcome:
+    model_dir = work_dir / plan.shape.name
+    hf = build_random_model(plan.shape, model_dir, device=device, dtype=torch.float32, seed=1)
+    config = load_model_config(model_dir)
+    adapters: dict[str, Path] = {}
+    for i, rank in enumerate(plan.adapter_ranks):
+        name = f"r{rank}-{'attn' if i % 2 == 0 else 'all'}"
+        adapters[name] = write_random_adapter(
+            work_dir / "identity-adapters" / name,
+            config,
+            rank=rank,
+            alpha=ALPHA_PER_RANK * rank,
+            targets=ATTENTION if i % 2 == 0 else ALL_LINEAR,
+            seed=50 + i,
+        )
+    # Prompt i runs on the base model or on one adapter, in turn: every batch mixes them.
+    choices: list[str | None] = [None, *adapters]
+    requests = [
+        BenchRequest(r.prompt_token_ids, plan.new_tokens, choices[i % len(choices)])
+        for i, r in enumerate(
+            make_requests(
+                plan.num_prompts,
+                vocab_size=plan.shape.vocab_size,
+                prompt_len=plan.prompt_len,
+                output_len=(plan.new_tokens, plan.new_tokens),
+                seed=3,
+            )
+        )
+    ]
+
+    base_hf = [hf_greedy(hf, r.prompt_token_ids, r.max_tokens) for r in requests]
+    peft = load_peft(hf, adapters)
+    want: list[list[int]] = []
+    for r, base_tokens in zip(requests, base_hf, strict=True):
+        if r.model is None:
+            want.append(base_tokens)
+        else:
+            peft.set_adapter(r.model)
+            want.append(hf_greedy(peft, r.prompt_token_ids, r.max_tokens))
+
+    def engine(dtype: torch.dtype) -> EngineCore:
+        core = make_core(
+            model_dir,
+            device,
+            dtype,
+            max_num_seqs=256,
+            max_loras=len(adapters),
+            max_lora_rank=max(plan.adapter_ranks),
+            kv_cache_tokens=plan.kv_cache_tokens,
+            data_dir=work_dir,
+        )
+        for name, path in adapters.items():
+            core.add_adapter(name, path)
+        return core
+
+    core = engine(torch.float32)
+    got = run_engine(core, engine_requests(requests, "fp32", ignore_eos=False))
+    close_core(core)
+    del core
+    release()
+    got_tokens = list(got.tokens.values())
+    mismatches = [
+        {
+            "request": i,
+            "adapter": r.model,
+            "first_difference": _first_difference(g, w),
+            "engine": g,
+            "hf": w,
+        }
+        for i, (r, g, w) in enumerate(zip(requests, got_tokens, want, strict=True))
+        if g != w
+    ]
+    adapted = [i for i, r in enumerate(requests) if r.model is not None]
+    changed = sum(want[i] != base_hf[i] for i in adapted)
+
+    # bfloat16: the engine's greedy pick after each prefix of the float32 HF continuation
+    # (teacher forcing: one 1-token request per position), against HF's own in bfloat16.
+    forced: list[BenchRequest] = []
+    targets: list[int] = []
+    for r, w in zip(requests, want, strict=True):
+        for k, token in enumerate(w):
+            forced.append(BenchRequest(r.prompt_token_ids + w[:k], 1, r.model))
+            targets.append(token)
+    core = engine(torch.bfloat16)
+    bf16_run = run_engine(core, engine_requests(forced, "bf16", ignore_eos=True))
+    close_core(core)
+    del core
+    release()
+    engine_bf16 = [toks[0] if toks else -1 for toks in bf16_run.tokens.values()]
+    peft.to(torch.bfloat16)
+    hf_bf16: list[int] = []
+    for r, w in zip(requests, want, strict=True):
+        if r.model is None:
+            with peft.disable_adapter():
+                hf_bf16 += hf_teacher_forced_top1(peft, r.prompt_token_ids, w)
+        else:
+            peft.set_adapter(r.model)
+            hf_bf16 += hf_teacher_forced_top1(peft, r.prompt_token_ids, w)
+    del hf, peft
+    release()
+
+    results = {
+        "model": plan.shape.name,
+        "num_params": plan.shape.num_params,
+        "requests": len(requests),
+        "adapters": {name: rank for name, rank in zip(adapters, plan.adapter_ranks, strict=True)},
+        "adapter_requests": len(adapted),
+        "new_tokens": plan.new_tokens,
+        "fp32_identical": len(requests) - len(mismatches),
+        "fp32_mismatches": mismatches,
+        "adapter_outputs_differing_from_base": changed,
+        "bf16_positions": len(forced),
+        # Against the fp32 HF continuation. Wide random weights (initializer_range 0.2,
+        # which keeps fp32 picks far from ties) carry activations that bf16 rounds coarsely,
+        # so the engine's figure is to be read beside HF's own bf16 figure, not beside 1.
+        "bf16_engine_top1_agreement": _agreement(engine_bf16, targets),
+        "bf16_hf_top1_agreement": _agreement(hf_bf16, targets),
+        "bf16_engine_vs_hf_bf16_agreement": _agreement(engine_bf16, hf_bf16),
+    }
+    problems: list[str] = []
+    if mismatches:
+        problems.append(f"{len(mismatches)} of {len(requests)} fp32 greedy outputs differ from HF")
+    if adapted and changed == 0:
+        problems.append("no adapter changed HF's greedy output: the LoRA comparison is vacuous")
+    return StepOutcome(results, problems)
+
+
+def _first_difference(got: list[int], want: list[int]) -> int:
+    """The first position at which two token lists differ (the shorter length if none)."""
+    pairs = zip(got, want, strict=False)
+    return next((i for i, (a, b) in enumerate(pairs) if a != b), min(len(got), len(want)))
+
+
+def _agreement(got: list[int], want: list[int]) -> float:
+    return round(sum(a == b for a, b in zip(got, want, strict=True)) / max(len(want), 1), 4)

@@ -1,0 +1,240 @@
+"""In-process throughput on one random model: the engine against HF static batches,
+multi-LoRA against PEFT's mixed batches (`adapter_names`), LoRA overhead per step, and
+decode step time."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.adapters import ATTENTION, write_random_adapter
+from bench.gpu.engine_runs import (
+    EngineRun,
+    close_core,
+    engine_requests,
+    load_peft,
+    make_core,
+    run_engine,
+)
+from bench.gpu.models import build_random_model
+from bench.gpu.plans import ThroughputPlan
+from bench.gpu.report import StepOutcome
+from bench.hf_baseline import HFResult, run_static_batches
+from bench.workload import BenchRequest, make_requests
+from engine.engine_core import EngineCore
+from engine.model_loader import load_model_config
+from engine.model_runner import CUDA_KV_CACHE_MEMORY_FRACTION
+
+
+def _gib(num_bytes: float) -> float:
+    return round(num_bytes / 2**30, 2)
+
+
+class BenchModel:
+    """The throughput model built once: the HF model, the engine over the same weights
+    (KV sized by the engine itself), and rank-`lora_rank` adapters loaded into both."""
+
+    def __init__(self, plan: ThroughputPlan, device: torch.device, work_dir: Path) -> None:
+        self.timings: dict[str, float] = {}
+        self.model_dir = work_dir / plan.shape.name
+        start = time.perf_counter()
+        self.hf: Any = build_random_model(
+            plan.shape, self.model_dir, device=device, dtype=plan.dtype, seed=2
+        )
+        self.timings["build_and_save_s"] = time.perf_counter() - start
+        config = load_model_config(self.model_dir)
+        start = time.perf_counter()
+        self.adapters = {
+            f"lora-{i}": write_random_adapter(
+                work_dir / "bench-adapters" / f"lora-{i}",
+                config,
+                rank=plan.lora_rank,
+                alpha=2 * plan.lora_rank,
+                targets=ATTENTION,
+                seed=200 + i,
+            )
+            for i in range(max(*plan.adapter_counts, plan.overhead_adapters))
+        }
+        self.timings["write_adapters_s"] = time.perf_counter() - start
+        free_before = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+        start = time.perf_counter()
+        self.core: EngineCore = make_core(
+            self.model_dir,
+            device,
+            plan.dtype,
+            max_num_seqs=max(*plan.concurrency, plan.lora_requests, *plan.decode_batch_sizes),
+            max_loras=len(self.adapters),
+            max_lora_rank=plan.lora_rank,
+            kv_cache_tokens=None,
+            data_dir=work_dir,
+        )
+        self.timings["engine_load_s"] = time.perf_counter() - start
+        start = time.perf_counter()
+        for name, path in self.adapters.items():
+            self.core.add_adapter(name, path)
+        self.timings["engine_add_adapters_s"] = time.perf_counter() - start
+        runner = self.core.runner
+        self.kv = {
+            "setting": (
+                "EngineConfig has no GPU memory utilisation setting; with kv_cache_tokens unset "
+                f"the cache takes CUDA_KV_CACHE_MEMORY_FRACTION={CUDA_KV_CACHE_MEMORY_FRACTION} "
+                "of the memory free after the weights and LoRA slots (CPU: a fixed cap)"
+            ),
+            "num_blocks": runner.num_blocks,
+            "block_size": runner.block_size,
+            "tokens": runner.num_blocks * runner.block_size,
+            "bytes_per_token": runner.kv_bytes_per_token,
+            "gib": _gib(runner.num_blocks * runner.block_size * runner.kv_bytes_per_token),
+            "max_model_len": runner.max_model_len,
+            "free_gib_before_engine": None if free_before is None else _gib(free_before),
+            "hf_model_resident": True,
+        }
+        self.peft: Any = None
+
+    def wrap_peft(self, dtype: torch.dtype) -> Any:
+        """The HF model under PEFT with every adapter (once; HF base runs come first)."""
+        if self.peft is None:
+            start = time.perf_counter()
+            self.peft = load_peft(self.hf, self.adapters)
+            self.peft.to(dtype)  # PEFT keeps adapters in float32 on a 16-bit base otherwise
+            self.timings["peft_load_adapters_s"] = time.perf_counter() - start
+        return self.peft
+
+    def close(self) -> None:
+        close_core(self.core)
+        self.core = None  # type: ignore[assignment]
+        self.hf = self.peft = None
+
+
+def _workload(
+    n: int,
+    vocab: int,
+    prompt_len: tuple[int, int],
+    output_len: tuple[int, int],
+    seed: int,
+    models: list[str | None] | None = None,
+) -> list[BenchRequest]:
+    """Random prompts (bench/workload.py); `models`: each request's adapter (None: base)."""
+    reqs = make_requests(
+        n, vocab_size=vocab, prompt_len=prompt_len, output_len=output_len, seed=seed
+    )
+    if models is None:
+        return reqs
+    return [
+        BenchRequest(r.prompt_token_ids, r.max_tokens, m) for r, m in zip(reqs, models, strict=True)
+    ]
+
+
+def _pair(engine: EngineRun, baseline: HFResult) -> dict[str, Any]:
+    return {
+        "engine": engine.summary(),
+        "baseline": baseline.summary(),
+        "engine_vs_baseline": round(engine.output_tokens_per_s / baseline.output_tokens_per_s, 2),
+    }
+
+
+def check_throughput(plan: ThroughputPlan, bench: BenchModel) -> StepOutcome:
+    core, vocab = bench.core, plan.shape.vocab_size
+    names = list(bench.adapters)
+    results: dict[str, Any] = {
+        "model": plan.shape.name,
+        "num_params": plan.shape.num_params,
+        "dtype": plan.dtype,
+        "kv_cache": bench.kv,
+    }
+    problems: list[str] = []
+
+    # Warm-up: prefill segments of every row-block size, decodes, base rows, and every
+    # adapter once, so that the timed runs find all of them in their device slots.
+    warm_models = [None, *names]
+    warm = _workload(
+        8, vocab, (20, 100), (4, 4), 99, [warm_models[i % len(warm_models)] for i in range(8)]
+    )
+    run_engine(core, engine_requests(warm, "warm", ignore_eos=True))
+    every_adapter = _workload(len(names), vocab, (8, 8), (2, 2), 98, list(names))
+    run_engine(core, engine_requests(every_adapter, "warm-adapters", ignore_eos=True))
+    run_static_batches(bench.hf, warm[:2], 2)
+
+    base: dict[str, Any] = {}
+    base_runs: dict[int, EngineRun] = {}
+    for c in plan.concurrency:
+        reqs = _workload(c, vocab, plan.prompt_len, plan.output_len, seed=c)
+        base_runs[c] = run_engine(core, engine_requests(reqs, f"base{c}", ignore_eos=True))
+        hf = run_static_batches(bench.hf, reqs, min(c, plan.hf_batch_size))
+        base[str(c)] = _pair(base_runs[c], hf)
+        print(f"base x{c}: {base[str(c)]}", flush=True)
+    results["engine_vs_hf_static"] = base
+
+    # LoRA overhead: the first base workload again, every row on a rank-r adapter.
+    c0 = plan.concurrency[0]
+    overhead_models: list[str | None] = [names[i % plan.overhead_adapters] for i in range(c0)]
+    reqs = _workload(c0, vocab, plan.prompt_len, plan.output_len, c0, overhead_models)
+    lora_run = run_engine(core, engine_requests(reqs, f"overhead{c0}", ignore_eos=True))
+    ratio = lora_run.mean_step_s / base_runs[c0].mean_step_s
+    results["lora_overhead"] = {
+        "sequences": c0,
+        "adapters": plan.overhead_adapters,
+        "rank": plan.lora_rank,
+        "base": base_runs[c0].summary(),
+        "lora": lora_run.summary(),
+        "lora_vs_base_step_time": round(ratio, 3),
+    }
+    print(f"lora overhead: {results['lora_overhead']}", flush=True)
+
+    peft = bench.wrap_peft(plan.dtype)
+    run_static_batches(peft, [BenchRequest(warm[1].prompt_token_ids, 2, names[0])], 1, peft=True)
+    multi: dict[str, Any] = {}
+    for n in plan.adapter_counts:
+        models: list[str | None] = [names[i % n] for i in range(plan.lora_requests)]
+        reqs = _workload(
+            plan.lora_requests, vocab, plan.lora_prompt_len, plan.lora_output_len, 1000 + n, models
+        )
+        run = run_engine(core, engine_requests(reqs, f"lora{n}", ignore_eos=True))
+        peft_run = run_static_batches(peft, reqs, plan.hf_batch_size, peft=True)
+        multi[str(n)] = {"adapters": n, **_pair(run, peft_run)}
+        print(f"multi-lora x{n}: {multi[str(n)]}", flush=True)
+    results["engine_vs_peft_adapter_names"] = multi
+    results["setup_s"] = {k: round(v, 2) for k, v in bench.timings.items()}
+    return StepOutcome(results, problems)
+
+
+def check_decode_steps(plan: ThroughputPlan, bench: BenchModel, on_cuda: bool) -> StepOutcome:
+    """Decode-only step time at each batch size. The engine has no CUDA graph capture,
+    so only eager steps are timed."""
+    core, vocab = bench.core, plan.shape.vocab_size
+    rows: dict[str, Any] = {}
+    for n in plan.decode_batch_sizes:
+        prompt_len = (plan.decode_prompt_len, plan.decode_prompt_len)
+        # Far more tokens than are timed: no sequence finishes inside the timed steps (the
+        # first ones decode while the last prefills run); the rest is aborted.
+        output_len = (plan.decode_timed_steps + 256, plan.decode_timed_steps + 256)
+        reqs = _workload(n, vocab, prompt_len, output_len, 7 + n)
+        requests = engine_requests(reqs, f"decode{n}", ignore_eos=True)
+        for request in requests:
+            core.add_request(request)
+        started: set[str] = set()
+        while len(started) < n:  # prefills (and the first decodes they allow)
+            started.update(out.request_id for out in core.step())
+        times: list[float] = []
+        for _ in range(plan.decode_timed_steps):
+            start = time.perf_counter()
+            outs = core.step()
+            times.append(time.perf_counter() - start)
+            assert len(outs) == n, f"a decode step ran {len(outs)} of {n} sequences"
+        for request in requests:
+            core.abort_request(request.request_id)
+        assert not core.has_unfinished_requests()
+        rows[str(n)] = {
+            "sequences": n,
+            "eager_step_ms_median": round(statistics.median(times) * 1000, 3),
+            "eager_step_ms_min": round(min(times) * 1000, 3),
+            "cuda_graphs_step_ms": None,
+        }
+    return StepOutcome(
+        {"cuda_graphs": "not implemented", "decode": rows, "model": plan.shape.name},
+        not_applicable=not on_cuda,
+    )

@@ -1,0 +1,339 @@
+"""The kernel steps of the GPU check: the kernel tests, lora_shrink / lora_expand against
+kernels/reference.py at serving shapes, and their achieved memory bandwidth."""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.kernels import LoRAGroupShape, LoRAProblem, cuda_time_us
+from kernels import reference as ref
+from kernels.reference import LoRASegments
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+# (rtol, atol) per dtype, as in tests/kernels: 16-bit y is stored rounded, and compiled
+# expand multiplies the shrunk rows rounded to the adapter's dtype.
+TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
+    torch.bfloat16: (2e-2, 2e-2),
+    torch.float16: (5e-3, 5e-3),
+}
+RANK_POOL = (8, 16, 32, 64)  # a slot's slice k takes RANK_POOL[(slot + k) % 4]
+MAX_RANK = 64
+BANDWIDTH_AIM = 0.7  # achieved bytes/s as a share of the device-to-device copy's
+
+
+def llama_groups(hidden: int, intermediate: int, q: int, kv: int) -> tuple[LoRAGroupShape, ...]:
+    """The fused LoRA groups of a Llama layer: qkv, o, gate_up, down."""
+    return (
+        LoRAGroupShape("qkv", hidden, (q, kv, kv)),
+        LoRAGroupShape("o", q, (hidden,)),
+        LoRAGroupShape("gate_up", hidden, (intermediate, intermediate)),
+        LoRAGroupShape("down", intermediate, (hidden,)),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class BatchSpec:
+    """A step's adapter rows: `num_requests` requests of `rows_per_request` rows each
+    (1: decode), on distinct slots (one each) or skewed ones (Zipf over num_requests)."""
+
+    name: str
+    num_requests: int
+    rows_per_request: int
+    popularity: str  # "distinct" | "skewed"
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_requests * self.rows_per_request
+
+
+def make_mixed_problem(
+    group: LoRAGroupShape, spec: BatchSpec, dtype: torch.dtype, device: torch.device, seed: int
+) -> LoRAProblem:
+    """A batch over slots of mixed ranks (8-64 across slots and slices, buffers zero past
+    each rank, as the adapter cache keeps them)."""
+    gen = torch.Generator().manual_seed(seed)
+    num_slots = spec.num_requests
+    if spec.popularity == "distinct":
+        request_slots = list(range(num_slots))
+    else:
+        assert spec.popularity == "skewed", spec.popularity
+        weights = torch.tensor([1.0 / (i + 1) ** 1.5 for i in range(num_slots)])
+        request_slots = torch.multinomial(weights, num_slots, True, generator=gen).tolist()
+    token_slots = [s for s in request_slots for _ in range(spec.rows_per_request)]
+    num_slices, offsets = len(group.slice_outs), group.slice_offsets
+    rank_table = [
+        [RANK_POOL[(slot + k) % len(RANK_POOL)] for k in range(num_slices)]
+        for slot in range(num_slots)
+    ]
+    # Drawn in the target dtype on the device: the gate_up buffers of 256 slots are ~1 GB.
+    dgen = torch.Generator(device=device).manual_seed(seed)
+    a_shape = (num_slots, num_slices, MAX_RANK, group.in_features)
+    lora_a = torch.zeros(a_shape, dtype=dtype, device=device)
+    lora_b = torch.zeros(num_slots, offsets[-1], MAX_RANK, dtype=dtype, device=device)
+    for slot, ranks in enumerate(rank_table):
+        for k, r in enumerate(ranks):
+            lo, hi = offsets[k], offsets[k + 1]
+            a = torch.randn(r, group.in_features, generator=dgen, device=device)
+            lora_a[slot, k, :r] = (a / group.in_features**0.5).to(dtype)
+            b = torch.randn(hi - lo, r, generator=dgen, device=device)
+            lora_b[slot, lo:hi, :r] = (b / r**0.5).to(dtype)
+    segs = LoRASegments.from_token_slots(token_slots, device=device)
+    assert segs is not None
+    row_slots = [slot for start, end, slot in segs.segments for _ in range(start, end)]
+    num_tokens = len(token_slots)
+    return LoRAProblem(
+        x=torch.randn(num_tokens, group.in_features, generator=dgen, device=device).to(dtype),
+        y=torch.randn(num_tokens, offsets[-1], generator=dgen, device=device).to(dtype),
+        lora_a=lora_a,
+        lora_b=lora_b,
+        ranks=torch.tensor(rank_table, dtype=torch.int32, device=device),
+        scalings=(0.5 + torch.rand(num_slots, num_slices, generator=gen)).to(device),
+        slice_offsets=offsets,
+        segs=segs,
+        row_slots=torch.tensor(row_slots, dtype=torch.int64, device=device),
+    )
+
+
+def _shrink(p: LoRAProblem) -> torch.Tensor:
+    from kernels.lora_shrink import lora_shrink
+
+    return lora_shrink(p.x, p.lora_a, p.ranks, p.segs)
+
+
+def _expand(p: LoRAProblem) -> None:
+    from kernels.lora_expand import lora_expand
+
+    lora_expand(p.y, p.shrunk, p.lora_b, p.ranks, p.scalings, p.slice_offsets, p.segs)
+
+
+# ---------------------------------------------------------------------------- tests
+
+
+@dataclass(slots=True)
+class PytestRun:
+    returncode: int
+    passed: int
+    failed: int
+    summary: str  # pytest's last line
+    interpreted: bool
+
+
+def run_kernel_tests(select: str | None, timeout_s: float) -> PytestRun:
+    """pytest tests/kernels in a child process: compiled where CUDA is (the folder's
+    conftest turns on the interpreter only without it)."""
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/kernels"]
+    if select:
+        cmd += ["-k", select]
+    # No plugin autoload: the kernel tests need none, and the image's (or the dev venv's
+    # browser and async) plugins only slow the start.
+    env = {**os.environ, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
+    proc = subprocess.run(
+        cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout_s
+    )
+    print(proc.stdout[-4000:], proc.stderr[-2000:], sep="\n", flush=True)
+    lines = [line for line in proc.stdout.splitlines() if line.strip()]
+    summary = lines[-1] if lines else proc.stderr.strip()[-200:]
+    return PytestRun(
+        returncode=proc.returncode,
+        passed=_count(summary, "passed"),
+        failed=_count(summary, "failed") + _count(summary, "errors?"),
+        summary=summary,
+        interpreted=not torch.cuda.is_available(),
+    )
+
+
+def _count(summary: str, word: str) -> int:
+    """How many tests pytest's summary line ("3 passed, 1 failed in 2.0s") puts under word."""
+    return sum(int(n) for n in re.findall(rf"(\d+) {word}", summary))
+
+
+# ---------------------------------------------------------------------------- accuracy
+
+
+@dataclass(slots=True)
+class AccuracyCase:
+    group: str
+    batch: str
+    dtype: str
+    op: str  # "shrink" | "expand"
+    num_tokens: int
+    num_segments: int  # distinct adapters in the batch
+    max_abs_err: float
+    max_rel_err: float  # max |got - want| / max |want|
+    rtol: float
+    atol: float
+    within_tolerance: bool
+
+
+def check_accuracy(
+    groups: tuple[LoRAGroupShape, ...],
+    batches: tuple[BatchSpec, ...],
+    dtypes: tuple[torch.dtype, ...],
+    device: torch.device,
+) -> list[AccuracyCase]:
+    cases: list[AccuracyCase] = []
+    for dtype in dtypes:
+        rtol, atol = TOLERANCES[dtype]
+        for gi, group in enumerate(groups):
+            for bi, spec in enumerate(batches):
+                p = make_mixed_problem(group, spec, dtype, device, seed=100 * gi + bi)
+                got_shrunk = _shrink(p)
+                y0 = p.y.clone()
+                _expand(p)
+                got_y, p.y = p.y, y0.clone()
+                ref.lora_expand(
+                    p.y, p.shrunk, p.lora_b, p.ranks, p.scalings, p.slice_offsets, p.segs
+                )
+                num_segments = len(p.segs.segments)
+                for op, got, want in (("shrink", got_shrunk, p.shrunk), ("expand", got_y, p.y)):
+                    cases.append(
+                        _compare(group.name, spec, num_segments, dtype, op, got, want, rtol, atol)
+                    )
+                del p, got_shrunk, got_y, y0
+    return cases
+
+
+def _compare(
+    group: str,
+    spec: BatchSpec,
+    num_segments: int,
+    dtype: torch.dtype,
+    op: str,
+    got: torch.Tensor,
+    want: torch.Tensor,
+    rtol: float,
+    atol: float,
+) -> AccuracyCase:
+    got32, want32 = got.float(), want.float()
+    diff = (got32 - want32).abs()
+    scale = want32.abs().max().item()
+    return AccuracyCase(
+        group=group,
+        batch=spec.name,
+        dtype=str(dtype).removeprefix("torch."),
+        op=op,
+        num_tokens=spec.num_tokens,
+        num_segments=num_segments,
+        max_abs_err=diff.max().item(),
+        max_rel_err=diff.max().item() / scale if scale > 0 else 0.0,
+        rtol=rtol,
+        atol=atol,
+        within_tolerance=bool(torch.allclose(got32, want32, rtol=rtol, atol=atol))
+        and bool(torch.isfinite(got32).all()),
+    )
+
+
+# ---------------------------------------------------------------------------- bandwidth
+
+
+@dataclass(slots=True)
+class BandwidthCase:
+    group: str
+    batch: str
+    op: str
+    bytes_moved: int  # the least the op must read and write (see _min_bytes)
+    seconds: float
+    bytes_per_s: float
+    fraction_of_copy: float
+    meets_aim: bool
+
+
+def time_op(fn: Callable[[], object], warmup: int, iters: int, on_cuda: bool) -> float:
+    """Median seconds per call: CUDA events on a GPU, a wall clock on the CPU."""
+    if on_cuda:
+        return cuda_time_us(fn, warmup, iters) / 1e6
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def copy_bandwidth(num_bytes: int, device: torch.device, warmup: int, iters: int) -> float:
+    """Bytes/s of a device-to-device copy, counting what it reads and what it writes."""
+    src = torch.empty(num_bytes // 2, dtype=torch.bfloat16, device=device).normal_()
+    dst = torch.empty_like(src)
+    seconds = time_op(lambda: dst.copy_(src), warmup, iters, device.type == "cuda")
+    return 2 * src.numel() * src.element_size() / seconds
+
+
+def _min_bytes(p: LoRAProblem, op: str) -> int:
+    """Shrink: the adapter rows of x, each segment's A up to its ranks, the float32 output.
+    Expand: the shrunk rows up to their ranks, each segment's B up to its ranks, and the
+    adapted slices of the y rows read and written."""
+    es = p.x.element_size()
+    ranks = p.ranks.tolist()
+    slice_outs = [hi - lo for lo, hi in zip(p.slice_offsets, p.slice_offsets[1:], strict=False)]
+    in_features = p.x.shape[1]
+    total = 0
+    for start, end, slot in p.segs.segments:
+        rows = end - start
+        slot_ranks = ranks[slot]
+        if op == "shrink":
+            total += rows * in_features * es + sum(slot_ranks) * in_features * es
+        else:
+            adapted = sum(o for o, r in zip(slice_outs, slot_ranks, strict=True) if r > 0)
+            total += rows * sum(slot_ranks) * 4
+            total += sum(o * r for o, r in zip(slice_outs, slot_ranks, strict=True)) * es
+            total += 2 * rows * adapted * es
+    if op == "shrink":
+        total += p.segs.num_tokens * p.shrunk.shape[1] * p.shrunk.shape[2] * 4
+    return total
+
+
+def measure_bandwidth(
+    groups: tuple[LoRAGroupShape, ...],
+    batches: tuple[BatchSpec, ...],
+    dtype: torch.dtype,
+    device: torch.device,
+    copy_bytes: int,
+    warmup: int,
+    iters: int,
+) -> tuple[float, list[BandwidthCase]]:
+    on_cuda = device.type == "cuda"
+    copy_bps = copy_bandwidth(copy_bytes, device, warmup, iters)
+    cases: list[BandwidthCase] = []
+    for gi, group in enumerate(groups):
+        for bi, spec in enumerate(batches):
+            p = make_mixed_problem(group, spec, dtype, device, seed=7 + 100 * gi + bi)
+            y = p.y.clone()
+            # Expand adds into y in place; timing it over and over only grows y.
+            ops: dict[str, Callable[[LoRAProblem], object]] = {"shrink": _shrink, "expand": _expand}
+            for op, fn in ops.items():
+                seconds = time_op(functools.partial(fn, p), warmup, iters, on_cuda)
+                moved = _min_bytes(p, op)
+                bps = moved / seconds
+                cases.append(
+                    BandwidthCase(
+                        group=group.name,
+                        batch=spec.name,
+                        op=op,
+                        bytes_moved=moved,
+                        seconds=seconds,
+                        bytes_per_s=bps,
+                        fraction_of_copy=round(bps / copy_bps, 4),
+                        meets_aim=bps / copy_bps >= BANDWIDTH_AIM,
+                    )
+                )
+            p.y = y
+            del p
+    return copy_bps, cases
+
+
+def as_rows(cases: list[Any]) -> list[dict[str, Any]]:
+    return [asdict(c) for c in cases]

@@ -1,0 +1,164 @@
+"""What `loraplex bench soak` measures of a server process before and after its load, and
+the checks that call a difference a leak."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import redis
+from sqlalchemy import create_engine, text
+from sqlalchemy.engine import make_url
+from sqlalchemy.pool import NullPool
+
+# app.db.make_engine's pool: connections past it are closed when they are checked in, so
+# more than this many open at rest are checked out and never returned.
+DB_POOL_SIZE = 10
+# Per-tenant keys of the Redis limiter (app/quotas/lua.py): rpm, tpm, leases, monthly.
+REDIS_KEYS_PER_TENANT = 4
+
+
+@dataclass(slots=True)
+class Snapshot:
+    rss_bytes: int
+    open_fds: int
+    threads: int
+    kv_blocks_used: int
+    engine_requests: int  # running + waiting in the engine
+    pinned_adapters: int  # adapters that running or waiting requests hold
+    db_connections: int  # SQLite: the process's handles on the file; PostgreSQL: sessions
+    redis_keys: int | None  # None: no Redis
+    redis_live_leases: int | None
+
+
+@dataclass(slots=True)
+class Check:
+    name: str
+    baseline: int
+    after: int
+    limit: int
+    exact: bool = False  # after must equal limit (else: at most limit)
+
+    @property
+    def ok(self) -> bool:
+        return self.after == self.limit if self.exact else self.after <= self.limit
+
+    def row(self) -> str:
+        rule = "==" if self.exact else "<="
+        verdict = "ok" if self.ok else "LEAK"
+        return (f"{self.name:>22}: baseline {self.baseline:>12,}  after {self.after:>12,}  "
+                f"(must be {rule} {self.limit:,})  {verdict}")
+
+
+def _proc_status(pid: int) -> dict[str, str]:
+    lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    return {k: v.strip() for k, _, v in (line.partition(":") for line in lines)}
+
+
+def rss_bytes(pid: int) -> int:
+    return int(_proc_status(pid)["VmRSS"].split()[0]) * 1024
+
+
+def _fd_targets(pid: int) -> list[str]:
+    targets = []
+    for name in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            targets.append(os.readlink(f"/proc/{pid}/fd/{name}"))
+        except OSError:
+            continue  # closed meanwhile
+    return targets
+
+
+def db_connections(pid: int, database_url: str) -> int:
+    url = make_url(database_url)
+    if url.get_backend_name() == "sqlite":
+        path = str(Path(url.database or "").resolve())
+        return sum(target == path for target in _fd_targets(pid))
+    engine = create_engine(database_url, poolclass=NullPool)
+    try:
+        with engine.connect() as conn:
+            query = text("SELECT count(*) FROM pg_stat_activity "
+                         "WHERE datname = current_database() AND pid <> pg_backend_pid()")
+            return int(conn.execute(query).scalar_one())
+    finally:
+        engine.dispose()
+
+
+def redis_state(redis_url: str) -> tuple[int, int]:
+    """(keys, leases not yet expired) in the limiter's database."""
+    client = redis.Redis.from_url(redis_url, decode_responses=True, socket_timeout=5)
+    try:
+        seconds, micros = client.time()
+        now_ms = seconds * 1000 + micros // 1000
+        keys = list(client.scan_iter(count=1000))
+        leases = sum(
+            int(client.zcount(key, now_ms, "+inf")) for key in keys if key.endswith(":leases")
+        )
+        return len(keys), leases
+    finally:
+        client.close()
+
+
+def snapshot(
+    pid: int, base_url: str, admin_key: str, database_url: str, redis_url: str | None
+) -> Snapshot:
+    status = _proc_status(pid)
+    view = httpx.get(
+        f"{base_url}/admin/engine", headers={"Authorization": f"Bearer {admin_key}"}, timeout=30
+    )
+    view.raise_for_status()
+    workers = view.json()["workers"]
+    keys, leases = redis_state(redis_url) if redis_url else (None, None)
+    return Snapshot(
+        rss_bytes=rss_bytes(pid),
+        open_fds=len(os.listdir(f"/proc/{pid}/fd")),
+        threads=int(status["Threads"]),
+        kv_blocks_used=sum(w["num_total_blocks"] - w["num_free_blocks"] for w in workers),
+        engine_requests=sum(w["num_running"] + w["num_waiting"] for w in workers),
+        pinned_adapters=sum(
+            1 for w in workers for a in w["adapters"] if a["running"] or a["waiting"]
+        ),
+        db_connections=db_connections(pid, database_url),
+        redis_keys=keys,
+        redis_live_leases=leases,
+    )
+
+
+def leak_checks(
+    before: Snapshot,
+    after: Snapshot,
+    *,
+    num_tenants: int,
+    rss_slack_mib: int,
+    rss_samples: list[tuple[float, int]],
+) -> list[Check]:
+    """NOTE: the slack covers what a healthy process grows into once and then keeps
+    (the engine keeps its peak step footprint in the heap, the thread pool, uploaded
+    adapters in the host cache, a full DB pool); a leak grows with the load, so RSS
+    must also grow less in the second half of the load than in the first."""
+    slack = rss_slack_mib * 1024 * 1024
+    checks = [
+        Check("rss_bytes", before.rss_bytes, after.rss_bytes, before.rss_bytes + slack),
+        Check("open_fds", before.open_fds, after.open_fds,
+              before.open_fds + DB_POOL_SIZE + 8),
+        Check("threads", before.threads, after.threads, before.threads + 8),
+        Check("kv_blocks_used", before.kv_blocks_used, after.kv_blocks_used,
+              before.kv_blocks_used),
+        Check("engine_requests", before.engine_requests, after.engine_requests, 0, exact=True),
+        Check("pinned_adapters", before.pinned_adapters, after.pinned_adapters, 0, exact=True),
+        Check("db_connections", before.db_connections, after.db_connections,
+              max(before.db_connections, DB_POOL_SIZE)),
+    ]
+    if len(rss_samples) >= 3:
+        rss = [bytes_ for _, bytes_ in rss_samples]
+        early = max(0, rss[len(rss) // 2] - rss[0])
+        late = rss[-1] - rss[len(rss) // 2]
+        checks.append(Check("rss_growth_late_half", early, late, early // 2 + slack // 4))
+    if before.redis_keys is not None and after.redis_keys is not None:
+        checks.append(Check("redis_keys", before.redis_keys, after.redis_keys,
+                            max(before.redis_keys, REDIS_KEYS_PER_TENANT * num_tenants)))
+        checks.append(Check("redis_live_leases", before.redis_live_leases or 0,
+                            after.redis_live_leases or 0, 0, exact=True))
+    return checks

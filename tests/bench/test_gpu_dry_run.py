@@ -1,0 +1,118 @@
+"""bench/gpu/run.sh --dry-run: the prepared GPU check end to end on the CPU (interpreted
+kernels, tiny random models), and the shape of the report it writes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench.gpu.check import STEPS
+from bench.gpu.report import LOG_NAME, NOT_APPLICABLE_CPU, OK, REPORT_NAME
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+# The steps whose figure needs a GPU: they run what they can and say so.
+CPU_NOT_APPLICABLE = {"kernel_bandwidth", "decode_cuda_graphs"}
+STEP_FIELDS: dict[str, set[str]] = {
+    "kernel_tests": {"compiled", "passed", "failed", "summary"},
+    "kernel_accuracy": {"hidden", "compiled", "num_cases", "max_abs_err", "cases"},
+    "kernel_bandwidth": {"timer", "copy_bytes_per_s", "aim_fraction", "best_fraction", "cases"},
+    "engine_greedy_identity": {
+        "requests",
+        "adapter_requests",
+        "fp32_identical",
+        "fp32_mismatches",
+        "adapter_outputs_differing_from_base",
+        "bf16_engine_top1_agreement",
+        "bf16_hf_top1_agreement",
+        "bf16_engine_vs_hf_bf16_agreement",
+    },
+    "engine_throughput": {
+        "kv_cache",
+        "engine_vs_hf_static",
+        "lora_overhead",
+        "engine_vs_peft_adapter_names",
+        "setup_s",
+    },
+    "decode_cuda_graphs": {"cuda_graphs", "decode"},
+}
+ACCURACY_CASE_FIELDS = {"group", "batch", "dtype", "op", "max_abs_err", "max_rel_err"}
+BANDWIDTH_CASE_FIELDS = {"group", "op", "bytes_moved", "bytes_per_s", "fraction_of_copy"}
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    out = tmp_path_factory.mktemp("gpu-out")
+    env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable}
+    proc = subprocess.run(
+        ["bash", "bench/gpu/run.sh", "--dry-run"],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert (out / LOG_NAME).read_text().strip(), "empty log"
+    return json.loads((out / REPORT_NAME).read_text())
+
+
+def test_every_step_ran_with_the_expected_status(report: dict[str, Any]) -> None:
+    assert report["mode"] == "dry-run"
+    assert [s["name"] for s in report["steps"]] == [name for name, _ in STEPS]
+    statuses = {s["name"]: s["status"] for s in report["steps"]}
+    want = {name: NOT_APPLICABLE_CPU if name in CPU_NOT_APPLICABLE else OK for name, _ in STEPS}
+    assert statuses == want, [(s["name"], s["error"]) for s in report["steps"]]
+    for step in report["steps"]:
+        assert step["error"] is None
+        assert isinstance(step["seconds"], float) and step["seconds"] > 0
+    assert report["total_s"] >= sum(s["seconds"] for s in report["steps"]) * 0.99
+
+
+def test_steps_report_their_fields(report: dict[str, Any]) -> None:
+    steps = {s["name"]: s["results"] for s in report["steps"]}
+    for name, fields in STEP_FIELDS.items():
+        assert fields <= set(steps[name]), (name, fields - set(steps[name]))
+
+    tests = steps["kernel_tests"]
+    assert tests["compiled"] is False and tests["passed"] >= 1 and tests["failed"] == 0
+
+    accuracy = steps["kernel_accuracy"]
+    assert accuracy["num_cases"] == len(accuracy["cases"]) > 0
+    assert {c["dtype"] for c in accuracy["cases"]} == {"float16", "bfloat16"}
+    assert {c["op"] for c in accuracy["cases"]} == {"shrink", "expand"}
+    for case in accuracy["cases"]:
+        assert set(case) >= ACCURACY_CASE_FIELDS
+        assert case["within_tolerance"] is True
+        assert 0 <= case["max_abs_err"] <= case["atol"] + case["rtol"] * 10
+
+    bandwidth = steps["kernel_bandwidth"]
+    assert bandwidth["copy_bytes_per_s"] > 0
+    for case in bandwidth["cases"]:
+        assert set(case) >= BANDWIDTH_CASE_FIELDS and case["bytes_moved"] > 0
+
+    identity = steps["engine_greedy_identity"]
+    assert identity["fp32_identical"] == identity["requests"] > identity["adapter_requests"] > 0
+    assert identity["fp32_mismatches"] == []
+    assert identity["adapter_outputs_differing_from_base"] > 0
+    assert identity["bf16_positions"] == identity["requests"] * identity["new_tokens"]
+    assert 0 <= identity["bf16_engine_top1_agreement"] <= 1
+
+    throughput = steps["engine_throughput"]
+    assert throughput["kv_cache"]["tokens"] > 0
+    for pair in [
+        *throughput["engine_vs_hf_static"].values(),
+        *throughput["engine_vs_peft_adapter_names"].values(),
+    ]:
+        assert pair["engine"]["output_tokens"] == pair["baseline"]["output_tokens"] > 0
+        assert pair["engine_vs_baseline"] > 0
+    assert throughput["lora_overhead"]["lora_vs_base_step_time"] > 0
+
+    decode = steps["decode_cuda_graphs"]
+    assert decode["cuda_graphs"] == "not implemented"
+    assert all(row["eager_step_ms_median"] > 0 for row in decode["decode"].values())
