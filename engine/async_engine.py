@@ -63,17 +63,16 @@ class AsyncEngine:
     # -- lifecycle ---------------------------------------------------------------------
 
     async def start(self) -> None:
-        self._core = await asyncio.to_thread(EngineCore, self.config)
+        self._core = await asyncio.to_thread(EngineCore, self.config, wakeup=self._wake)
         self.start_loop()
 
     def start_sync(self) -> None:
         """Load the model and start the step thread from synchronous code."""
-        self._core = EngineCore(self.config)
+        self._core = EngineCore(self.config, wakeup=self._wake)
         self.start_loop()
 
     def start_loop(self) -> None:
         assert self._core is not None
-        self._core.wakeup = self._wake
         self._thread = threading.Thread(target=self._run, name="loraplex-engine", daemon=True)
         self._thread.start()
 
@@ -253,6 +252,7 @@ class AsyncEngine:
 
     def _run(self) -> None:
         core = self.core
+        idle = False  # the last step had nothing it could run
         try:
             while True:
                 with self._lock:
@@ -264,14 +264,13 @@ class AsyncEngine:
                     ):
                         self._lock.wait()
                     if (
-                        core.last_step_idle
+                        idle
                         and not self._stopping
                         and not self._pending_adds
                         and not self._pending_aborts
                     ):
                         # Everything queued waits on adapter loads: sleep until one ends.
                         self._lock.wait(_IDLE_WAIT_S)
-                        core.last_step_idle = False
                     if self._stopping:
                         return
                     adds, self._pending_adds = self._pending_adds, []
@@ -285,27 +284,12 @@ class AsyncEngine:
                         core.add_request(request)
                     except ValueError as exc:
                         self._deliver([], {request.request_id: exc})
-                try:
-                    outputs = core.step()
-                except Exception as exc:
-                    # NOTE: the forward and sampling contain their own failures (see
-                    # engine/isolation.py); what reaches here failed in scheduling or
-                    # bookkeeping, with no request to blame: the step is tried again, a
-                    # few times.
-                    log.exception("engine step failed")
-                    core.num_step_failures += 1
-                    core.consecutive_failures += 1
-                    core.last_failure = f"step: {type(exc).__name__}: {exc}"
-                    outputs = []
-                failures, core.failures = core.failures, {}
-                if outputs or failures:
-                    self._deliver(outputs, failures)
-                limit = self.config.max_consecutive_step_failures
-                if core.consecutive_failures >= limit:
-                    self._fail_for_good(
-                        f"{core.consecutive_failures} engine steps in a row failed; "
-                        f"the last: {core.last_failure}"
-                    )
+                result = core.step()
+                idle = result.idle
+                if result.outputs or result.failures:
+                    self._deliver(result.outputs, result.failures)
+                if result.fatal is not None:
+                    self._fail_for_good(result.fatal)
                     return
         except BaseException as exc:
             log.exception("engine step loop failed")

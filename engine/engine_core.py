@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import itertools
 import logging
 import re
-import threading
 import time
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from engine.adapter_versions import AdapterVersions, adapter_name
 from engine.block_manager import BlockManager
 from engine.client import AdapterInfo, EngineStepError, RequestRejected
 from engine.config import EngineConfig
@@ -41,8 +39,26 @@ class _Tracked:
     detokenizer: IncrementalDetokenizer
 
 
+@dataclass(slots=True)
+class StepResult:
+    """What one `EngineCore.step()` did."""
+
+    outputs: list[RequestOutput]
+    # Requests that failed since the last step (their adapter could not be loaded, or the
+    # step failed on them), with the error for their callers.
+    failures: dict[str, BaseException]
+    idle: bool  # nothing could run: whatever is queued waits on adapter loads
+    # Set once steps kept failing with nothing to blame (see engine/isolation.py): the
+    # engine serves no more and the step loop must stop.
+    fatal: str | None = None
+
+
 class EngineCore:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(
+        self, config: EngineConfig, *, wakeup: Callable[[], None] | None = None
+    ) -> None:
+        """wakeup: called (from any thread) when something the step loop may be waiting
+        for happened (an adapter finished loading)."""
         self.config = config
         self.model_dir = resolve_model(config.model, config.resolved_data_dir)
         self.runner = ModelRunner(config, self.model_dir)
@@ -57,11 +73,8 @@ class EngineCore:
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self._tracked: dict[str, _Tracked] = {}
-        # Requests that failed since the last look (their adapter could not be loaded, or
-        # a step failed on them); the step loop hands them to their callers.
-        self.failures: dict[str, BaseException] = {}
-        self.last_step_idle = False  # the last step had nothing it could run
-        self.num_step_failures = 0  # steps whose batched forward or sampling raised
+        self._failures: dict[str, BaseException] = {}  # for the next StepResult
+        self.num_step_failures = 0  # steps that raised (their requests ran one by one)
         # Steps in a row in which nothing could run (see engine/isolation.py).
         self.consecutive_failures = 0
         self.last_failure: str | None = None
@@ -69,39 +82,26 @@ class EngineCore:
         faults = FaultPlan.from_env()
         if faults is not None:
             self._execute = faults.wrap(self._execute)
-        # Called (from any thread) when something the step loop waits for happened.
-        self.wakeup: Callable[[], None] | None = None
+        self.wakeup = wakeup
         self._init_adapters()
 
-    # ---- adapters ----------------------------------------------------------------------
-    #
-    # NOTE: a name maps to its current version's key ("name#3"); requests carry the key, so
-    # the prefix cache and the adapter cache never mix two versions. A replaced or removed
-    # version is retired: requests already holding its key finish on it, then it is
-    # dropped from the adapter cache and its prefix-cache blocks are forgotten.
+    # ---- adapters (versions: engine/adapter_versions.py) ------------------------------
 
     def _init_adapters(self) -> None:
         self.adapter_cache: AdapterCache | None = None
-        self._adapter_lock = threading.Lock()
-        self._adapters: dict[str, AdapterInfo] = {}  # name -> current version
-        self._adapter_paths: dict[str, Path] = {}  # key -> directory, to reload from disk
-        self._key_refs: Counter[str] = Counter()  # key -> live requests
-        self._retired: set[str] = set()
-        self._dropped_keys: list[str] = []  # prefix-cache drops for the step thread
-        self._adapter_versions = itertools.count(1)
         self._adapter_event = False
         lora = self.runner.lora
-        if lora is None:
-            return
-        self.adapter_cache = AdapterCache(
-            max_loras=self.config.max_loras,
-            max_cpu_loras=self.config.max_cpu_loras,
-            load=self._reload_adapter,
-            install=lora.install,
-            evict=lora.clear,
-            on_ready=self._on_adapter_ready,
-        )
-        self.scheduler.adapters = self.adapter_cache
+        if lora is not None:
+            self.adapter_cache = AdapterCache(
+                max_loras=self.config.max_loras,
+                max_cpu_loras=self.config.max_cpu_loras,
+                load=self._reload_adapter,
+                install=lora.install,
+                evict=lora.clear,
+                on_ready=self._on_adapter_ready,
+            )
+            self.scheduler.adapters = self.adapter_cache
+        self.adapters = AdapterVersions(self.adapter_cache)
 
     def load_adapter(self, name: str, path: str | Path) -> LoRAWeights:
         """Read and validate a PEFT directory (any thread; touches no engine state)."""
@@ -124,70 +124,26 @@ class EngineCore:
 
     def register_adapter(self, name: str, weights: LoRAWeights) -> AdapterInfo:
         """Serve validated weights as `name` (thread-safe); replaces the current version."""
-        assert self.adapter_cache is not None
-        with self._adapter_lock:
-            key = f"{name}#{next(self._adapter_versions)}"
-            info = AdapterInfo(
-                name=name,
-                key=key,
-                path=None if weights.path is None else str(weights.path),
-                rank=weights.rank,
-                alpha=weights.alpha,
-                use_rslora=weights.use_rslora,
-                target_modules=tuple(sorted(weights.target_modules)),
-                size_bytes=weights.size_bytes,
-                created=int(time.time()),
-            )
-            if weights.path is not None:
-                self._adapter_paths[key] = Path(weights.path)
-            self.adapter_cache.add(key, weights)
-            old = self._adapters.get(name)
-            self._adapters[name] = info
-            if old is not None:
-                self._retire(old.key)
-        return info
+        return self.adapters.register(name, weights)
 
     def add_adapter(self, name: str, path: str | Path) -> AdapterInfo:
         return self.register_adapter(name, self.load_adapter(name, path))
 
     def remove_adapter(self, name: str) -> bool:
-        with self._adapter_lock:
-            info = self._adapters.pop(name, None)
-            if info is None:
-                return False
-            self._retire(info.key)
-        return True
+        return self.adapters.remove(name)
 
     def get_adapter(self, name: str) -> AdapterInfo | None:
-        with self._adapter_lock:
-            return self._adapters.get(name)
+        return self.adapters.get(name)
 
     def list_adapters(self) -> list[AdapterInfo]:
-        with self._adapter_lock:
-            return sorted(self._adapters.values(), key=lambda a: a.name)
-
-    def _retire(self, key: str) -> None:
-        # Under _adapter_lock.
-        self._retired.add(key)
-        if not self._key_refs[key]:
-            self._drop_key(key)
-
-    def _drop_key(self, key: str) -> None:
-        # Under _adapter_lock; no request holds the key any more.
-        assert self.adapter_cache is not None
-        self._retired.discard(key)
-        self._key_refs.pop(key, None)
-        self._adapter_paths.pop(key, None)
-        self.adapter_cache.remove(key)
-        self._dropped_keys.append(key)
+        return self.adapters.served()
 
     def _reload_adapter(self, key: str) -> LoRAWeights:
         """The adapter cache's loader: read a version back from disk (loader thread)."""
-        with self._adapter_lock:
-            path = self._adapter_paths.get(key)
+        path = self.adapters.path_of(key)
         if path is None:
             raise AdapterError(f"adapter {key} has no directory to load it from")
-        return self.load_adapter(key.rpartition("#")[0], path)
+        return self.load_adapter(adapter_name(key), path)
 
     def _on_adapter_ready(self, key: str) -> None:
         self._adapter_event = True
@@ -196,35 +152,17 @@ class EngineCore:
 
     def _bind_adapter(self, request: Request) -> None:
         """Replace the adapter name a request came with by its current version's key."""
-        name = request.adapter_id
-        if name is None:
-            return
-        with self._adapter_lock:
-            info = self._adapters.get(name)
-            if info is None:
-                raise RequestRejected(
-                    f"The model '{name}' does not exist.", code="model_not_found", param="model"
-                )
-            request.adapter_id = info.key
-            self._key_refs[info.key] += 1
+        if request.adapter_id is not None:
+            request.adapter_id = self.adapters.bind(request.adapter_id)
 
     def _unbind_adapter(self, request: Request) -> None:
-        key = request.adapter_id
-        if key is None:
-            return
-        with self._adapter_lock:
-            self._key_refs[key] -= 1
-            if not self._key_refs[key]:
-                del self._key_refs[key]
-                if key in self._retired:
-                    self._drop_key(key)
+        if request.adapter_id is not None:
+            self.adapters.unbind(request.adapter_id)
 
     def _between_steps(self) -> None:
         """Adapter housekeeping on the step thread: forget dropped versions' cached KV and
         fail the requests whose adapter could not be loaded."""
-        with self._adapter_lock:
-            dropped, self._dropped_keys = self._dropped_keys, []
-        for key in dropped:
+        for key in self.adapters.drain_dropped():
             self.block_manager.drop_adapter(key)
         if not self._adapter_event or self.adapter_cache is None:
             return
@@ -235,8 +173,8 @@ class EngineCore:
                 continue
             error = self.adapter_cache.load_error(adapter_key)
             if error is not None:
-                self.failures[request.request_id] = RuntimeError(
-                    f"adapter '{adapter_key.rpartition('#')[0]}' could not be loaded: {error}"
+                self._failures[request.request_id] = RuntimeError(
+                    f"adapter '{adapter_name(adapter_key)}' could not be loaded: {error}"
                 )
                 self.abort_request(request.request_id)
 
@@ -320,12 +258,32 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> StepResult:
+        idle = False
+        try:
+            outputs, idle = self._step()
+        except Exception as exc:
+            # NOTE: the forward and sampling contain their own failures; what reaches here
+            # failed in scheduling or bookkeeping, with no request to blame: the next steps
+            # try again, a few times.
+            log.exception("engine step failed")
+            self.num_step_failures += 1
+            self.consecutive_failures += 1
+            self.last_failure = f"step: {type(exc).__name__}: {exc}"
+            outputs = []
+        failures, self._failures = self._failures, {}
+        fatal = None
+        if self.consecutive_failures >= self.config.max_consecutive_step_failures:
+            fatal = (f"{self.consecutive_failures} engine steps in a row failed; the last: "
+                     f"{self.last_failure}")
+        return StepResult(outputs, failures, idle, fatal)
+
+    def _step(self) -> tuple[list[RequestOutput], bool]:
+        """(outputs, whether nothing could run)."""
         self._between_steps()
         scheduled = self.scheduler.schedule()
-        self.last_step_idle = scheduled.is_empty
         if scheduled.is_empty:
-            return []
+            return [], True
         adapter_slots: dict[str, int] = {}
         if self.adapter_cache is not None:
             for chunk in scheduled.chunks:
@@ -370,7 +328,7 @@ class EngineCore:
             self._fail_requests(failed, ran_any=ran_any)
         else:
             self.consecutive_failures = 0
-        return outputs
+        return outputs, False
 
     def _note_failure(self, where: str, exc: BaseException) -> None:
         self.num_step_failures += 1
@@ -384,7 +342,7 @@ class EngineCore:
         """Fail the requests a step failed on, freeing their blocks and adapter pins; with
         nothing else run, probe the device (see engine/isolation.py)."""
         for request, exc in failed:
-            self.failures[request.request_id] = EngineStepError(
+            self._failures[request.request_id] = EngineStepError(
                 f"the engine step running this request failed: {type(exc).__name__}: {exc}"
             )
             self.abort_request(request.request_id)

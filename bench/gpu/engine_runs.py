@@ -105,15 +105,14 @@ def run_engine(core: EngineCore, requests: list[Request], *, time_steps: bool = 
     steps = 0
     while core.has_unfinished_requests():
         t0 = time.perf_counter()
-        for out in core.step():
+        result = core.step()
+        for out in result.outputs:
             tokens[out.request_id].extend(out.new_token_ids)
         if time_steps:
             step_s.append(time.perf_counter() - t0)
         steps += 1
-        failures = dict(core.failures)
-        if failures:
-            core.failures.clear()
-            request_id, exc = next(iter(failures.items()))
+        if result.failures:
+            request_id, exc = next(iter(result.failures.items()))
             raise RuntimeError(f"engine request {request_id} failed: {exc}") from exc
     return EngineRun(tokens, time.perf_counter() - start, steps, step_s)
 

@@ -218,11 +218,11 @@ def check_decode_steps(plan: ThroughputPlan, bench: BenchModel, on_cuda: bool) -
             core.add_request(request)
         started: set[str] = set()
         while len(started) < n:  # prefills (and the first decodes they allow)
-            started.update(out.request_id for out in core.step())
+            started.update(out.request_id for out in core.step().outputs)
         times: list[float] = []
         for _ in range(plan.decode_timed_steps):
             start = time.perf_counter()
-            outs = core.step()
+            outs = core.step().outputs
             times.append(time.perf_counter() - start)
             assert len(outs) == n, f"a decode step ran {len(outs)} of {n} sequences"
         for request in requests:

@@ -38,7 +38,7 @@ def run_to_completion(
     for _ in range(max_steps):
         if not core.has_unfinished_requests():
             break
-        for out in core.step():
+        for out in core.step().outputs:
             outputs[out.request_id].append(out)
     assert not core.has_unfinished_requests(), "engine did not finish"
     return outputs

@@ -15,7 +15,7 @@ import torch
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore, RequestRejected
 from engine.lora.weights import AdapterError
-from engine.request import Request, RequestOutput, SamplingParams
+from engine.request import Request, SamplingParams
 from tests.utils.hf_oracle import hf_greedy, peft_greedy
 from tests.utils.peft_adapters import make_peft_adapter
 from tests.utils.tiny_models import random_prompt
@@ -66,10 +66,10 @@ def run(core: EngineCore, requests: list[Request], max_steps: int = 2000) -> dic
     for _ in range(max_steps):
         if not core.has_unfinished_requests():
             break
-        outs: list[RequestOutput] = core.step()
-        if not outs and core.last_step_idle:
+        result = core.step()
+        if result.idle:
             time.sleep(0.01)  # adapters loading in the background
-        for out in outs:
+        for out in result.outputs:
             tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
     assert not core.has_unfinished_requests(), "engine did not finish"
     return tokens
@@ -177,7 +177,7 @@ def test_resident_adapter_does_not_wait_for_another_load(
     core.add_request(greedy("resident", [7, 8, 9], "attn"))
     done: set[str] = set()
     for _ in range(200):
-        for out in core.step():
+        for out in core.step().outputs:
             if out.finished:
                 done.add(out.request_id)
         if "resident" in done:

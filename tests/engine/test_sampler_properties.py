@@ -91,7 +91,8 @@ def test_every_row_gets_a_valid_token(
         if has_number and untouched:
             assert not math.isnan(chosen), "a NaN logit won over a number"
         if p.greedy and untouched and has_number:
-            finite_row = torch.tensor(row).nan_to_num(nan=-math.inf)
+            finite_row = torch.tensor(row).nan_to_num(nan=-math.inf, posinf=math.inf,
+                                                      neginf=-math.inf)
             assert chosen == finite_row.max(), "greedy did not take the best logit"
         if p.logprobs is None:
             assert result.logprob is None

@@ -46,10 +46,11 @@ def _run(core: EngineCore, requests: list[Request]) -> tuple[
     for _ in range(1000):
         if not core.has_unfinished_requests():
             break
-        for out in core.step():
+        result = core.step()
+        for out in result.outputs:
             tokens[out.request_id].extend(out.new_token_ids)
-        failures.update(core.failures)
-        core.failures.clear()
+        failures.update(result.failures)
+        assert result.fatal is None
     assert not core.has_unfinished_requests()
     return tokens, failures
 
