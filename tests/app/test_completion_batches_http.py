@@ -4,8 +4,6 @@ context-length error, and `models.retrieve` for every model the caller may use."
 
 from __future__ import annotations
 
-import asyncio
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,19 +13,13 @@ import httpx
 import openai
 import pytest
 from openai.types import Completion
-from sqlalchemy import select
 
-from app.core.config import Settings
-from app.db import make_engine, session_factory, session_scope
-from app.main import create_app
 from app.models import UsageRecord
 from engine.async_engine import AsyncEngine
-from engine.config import EngineConfig
-from tests.utils.live_server import serve_in_thread
 from tests.utils.peft_adapters import make_peft_adapter
+from tests.utils.real_service import real_service, usage_rows
 from tests.utils.saas import (
     ADMIN_KEY,
-    SECRET_KEY,
     create_key,
     create_tenant,
     upload_adapter,
@@ -74,22 +66,9 @@ class Service:
 
     def usage_row(self, request_id: str) -> UsageRecord:
         """The request's usage row, once the background writer has flushed it."""
-        engine = make_engine(self.database_url)
-        try:
-            deadline = time.monotonic() + 20
-            while True:
-                with session_scope(session_factory(engine)) as s:
-                    rows = s.scalars(
-                        select(UsageRecord).where(UsageRecord.request_id == request_id)
-                    ).all()
-                    if rows:
-                        assert len(rows) == 1, rows
-                        s.expunge(rows[0])
-                        return rows[0]
-                assert time.monotonic() < deadline, f"no usage row for {request_id}"
-                time.sleep(0.05)
-        finally:
-            engine.dispose()
+        rows = usage_rows(self.database_url, UsageRecord.request_id == request_id)
+        assert len(rows) == 1, rows
+        return rows[0]
 
 
 @pytest.fixture(scope="module")
@@ -99,30 +78,19 @@ def service(
     base = tiny_model_factory("llama_gqa")
     root = tmp_path_factory.mktemp("completion_batches")
     lora = make_peft_adapter(base, root / "lora", r=2, alpha=4, seed=21)
-    engine = AsyncEngine(EngineConfig(model=str(base), device="cpu", max_loras=2))
-    engine.start_sync()
-    database_url = f"sqlite:///{root / 'data' / 'db.sqlite'}"
-    settings = Settings(
-        data_dir=root / "data", database_url=database_url, admin_key=ADMIN_KEY,
-        secret_key=SECRET_KEY,
-    )
-    try:
-        asyncio.run(engine.add_adapter(PRELOADED, str(lora)))
-        with serve_in_thread(create_app(engine, settings)) as url, \
-                httpx.Client(base_url=url, timeout=60) as admin:
-            keys = {}
-            for who in ("a", "b"):
-                tenant = create_tenant(admin, f"tenant-{who}")
-                keys[who] = create_key(
-                    admin, tenant["id"], scopes=["inference", "adapters:write"]
-                )["key"]
-            for key, name, path in [(keys["a"], OWN, "/v1/adapters"),
-                                    (ADMIN_KEY, SHARED, "/admin/adapters")]:
-                response = upload_adapter(admin, key, name, lora, path=path)
-                assert response.status_code == 201, response.text
-            yield Service(url, engine, database_url, keys)
-    finally:
-        asyncio.run(engine.shutdown())
+    with real_service(base, root, loras={PRELOADED: lora}, engine_options={"max_loras": 2}
+                      ) as live, httpx.Client(base_url=live.base_url, timeout=60) as admin:
+        keys = {}
+        for who in ("a", "b"):
+            tenant = create_tenant(admin, f"tenant-{who}")
+            keys[who] = create_key(
+                admin, tenant["id"], scopes=["inference", "adapters:write"]
+            )["key"]
+        for key, name, path in [(keys["a"], OWN, "/v1/adapters"),
+                                (ADMIN_KEY, SHARED, "/admin/adapters")]:
+            response = upload_adapter(admin, key, name, lora, path=path)
+            assert response.status_code == 201, response.text
+        yield Service(live.base_url, live.engine, live.database_url, keys)
 
 
 # ------------------------------------------------------------------- several prompts

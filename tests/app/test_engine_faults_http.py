@@ -9,7 +9,6 @@ refused with a 400 naming the bound), and a step that fails on one tenant's requ
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import os
 import time
@@ -21,18 +20,13 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from sqlalchemy import select
 
-from app.core.config import Settings
-from app.db import make_engine, session_factory
-from app.main import create_app
 from app.models import UsageRecord
 from engine.async_engine import AsyncEngine
-from engine.config import EngineConfig
 from engine.faults import FAULTS_ENV
 from engine.request import SchedulerOutput
-from tests.utils.live_server import serve_in_thread
-from tests.utils.saas import ADMIN_KEY, SECRET_KEY, bearer, create_key, create_tenant
+from tests.utils.real_service import real_service, usage_rows
+from tests.utils.saas import bearer, create_key, create_tenant
 from tests.utils.tiny_models import random_prompt
 
 POISON = [7, 8, 9]
@@ -67,54 +61,38 @@ def service(
 ) -> Iterator[Service]:
     base = tiny_model_factory("llama_gqa")
     root = tmp_path_factory.mktemp("engine_faults")
-    os.environ[FAULTS_ENV] = "poison=" + ".".join(map(str, POISON))
-    try:
-        engine = AsyncEngine(EngineConfig(model=str(base), device="cpu", max_model_len=256))
-        engine.start_sync()
-    finally:
-        del os.environ[FAULTS_ENV]
     forwards: list[tuple[list[str], bool]] = []
-    execute = engine.core._execute
-
-    def recorded(output: SchedulerOutput, slots: Mapping[str, int] | None = None) -> Any:
-        ids = [c.request.request_id for c in output.chunks]
-        try:
-            logits = execute(output, slots)
-        except Exception:
-            forwards.append((ids, True))
-            raise
-        forwards.append((ids, False))
-        return logits
-
-    engine.core._execute = recorded
-    database_url = f"sqlite:///{root / 'data' / 'db.sqlite'}"
-    settings = Settings(data_dir=root / "data", database_url=database_url, admin_key=ADMIN_KEY,
-                        secret_key=SECRET_KEY, usage_flush_interval_s=0.05)
+    os.environ[FAULTS_ENV] = "poison=" + ".".join(map(str, POISON))  # read by the engine
     try:
-        with serve_in_thread(create_app(engine, settings)) as url, \
-                httpx.Client(base_url=url, timeout=60) as admin:
+        with real_service(base, root, engine_options={"max_model_len": 256},
+                          usage_flush_interval_s=0.05) as live, \
+                httpx.Client(base_url=live.base_url, timeout=60) as admin:
+            execute = live.engine.core._execute
+
+            def recorded(output: SchedulerOutput, slots: Mapping[str, int] | None = None
+                         ) -> Any:
+                ids = [c.request.request_id for c in output.chunks]
+                try:
+                    logits = execute(output, slots)
+                except Exception:
+                    forwards.append((ids, True))
+                    raise
+                forwards.append((ids, False))
+                return logits
+
+            live.engine.core._execute = recorded
             tenants = {who: create_tenant(admin, f"tenant-{who}", rpm=10_000)["id"]
                        for who in ("a", "b")}
             keys = {who: create_key(admin, tid)["key"] for who, tid in tenants.items()}
-            yield Service(url, engine, database_url, engine.model_id, keys, tenants, forwards)
+            yield Service(live.base_url, live.engine, live.database_url, live.engine.model_id,
+                          keys, tenants, forwards)
     finally:
-        asyncio.run(engine.shutdown())
+        del os.environ[FAULTS_ENV]
 
 
 def _usage_rows(service: Service, tenant: str, expected: int) -> list[UsageRecord]:
-    db = make_engine(service.database_url)
-    try:
-        deadline = time.monotonic() + 10
-        while True:
-            with session_factory(db)() as session:
-                rows = list(session.scalars(
-                    select(UsageRecord).where(UsageRecord.tenant_id == service.tenants[tenant])
-                ))
-            if len(rows) >= expected or time.monotonic() > deadline:
-                return rows
-            time.sleep(0.05)
-    finally:
-        db.dispose()
+    return usage_rows(service.database_url, UsageRecord.tenant_id == service.tenants[tenant],
+                      at_least=expected)
 
 
 @pytest.mark.parametrize("field, value", [("top_p", 1e-50), ("temperature", 1e-50),

@@ -11,7 +11,6 @@ objects made for them, never the tenant and adapter the rest of the run uses.
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import json
 import re
@@ -35,15 +34,11 @@ from schemathesis.specs.openapi.checks import (
 )
 
 from app.api.deps import ACT_FOR_TENANT_HEADER
-from app.core.config import Settings
-from app.main import create_app, openapi_document
-from engine.async_engine import AsyncEngine
-from engine.config import EngineConfig
-from tests.utils.live_server import serve_in_thread
+from app.main import openapi_document
 from tests.utils.peft_adapters import make_peft_adapter
+from tests.utils.real_service import real_service
 from tests.utils.saas import (
     ADMIN_KEY,
-    SECRET_KEY,
     bearer,
     create_key,
     create_tenant,
@@ -118,50 +113,41 @@ def service(
     base = tiny_model_factory("llama_gqa")
     root = tmp_path_factory.mktemp("fuzz_api")
     adapter_dir = make_peft_adapter(base, root / "lora", r=4, alpha=8, seed=5)
-    engine = AsyncEngine(EngineConfig(model=str(base), device="cpu", max_loras=2))
-    engine.start_sync()
-    settings_ = Settings(
-        data_dir=root / "data", database_url=f"sqlite:///{root / 'data' / 'db.sqlite'}",
-        admin_key=ADMIN_KEY, secret_key=SECRET_KEY,
-    )
-    try:
-        with serve_in_thread(create_app(engine, settings_)) as url, \
-                httpx.Client(base_url=url, timeout=60) as admin:
-            assert admin.post("/admin/plans", json=PLAN, headers=bearer(ADMIN_KEY)
-                              ).status_code == 201
-            tenant = admin.post("/admin/tenants", headers=bearer(ADMIN_KEY), json={
-                "name": "fuzz", "plan": PLAN["name"], "quotas": {"max_tokens": MAX_NEW_TOKENS},
-            }).json()
-            key = create_key(admin, tenant["id"], scopes=["inference", "adapters:write"])
-            service = Service(url, admin, engine.model_id, tenant["id"], key["key"])
-            used = _upload(admin, key["key"], ADAPTER, adapter_dir, "/v1/adapters")
-            own_victim = _upload(admin, key["key"], "fuzz-victim", adapter_dir, "/v1/adapters")
-            shared_victim = _upload(admin, ADMIN_KEY, "shared-victim", adapter_dir,
-                                    "/admin/adapters")
-            period = datetime.now(UTC).strftime("%Y-%m")
-            invoice = admin.post("/admin/invoices", headers=bearer(ADMIN_KEY),
-                                 json={"tenant_id": tenant["id"], "period": period})
-            assert invoice.status_code == 200, invoice.text
-            invoice_id = str(invoice.json()["id"])
-            service.readable = {
-                "adapter_id": used,
-                "tenant_id": tenant["id"],
-                "key_id": key["id"],
-                "name": PLAN["name"],
-                "invoice_id": invoice_id,
-                "model_id": ADAPTER,
-            }
-            victim_key = create_key(admin, service.victim_tenant())["id"]
-            service.victims = {
-                "tenant_id": service.victim_tenant,
-                "key_id": lambda: victim_key,
-                "adapter_id": lambda: shared_victim,
-                "own_adapter_id": lambda: own_victim,
-                "invoice_id": lambda: invoice_id,  # finalizing it twice changes nothing
-            }
-            yield service
-    finally:
-        asyncio.run(engine.shutdown())
+    with real_service(base, root, engine_options={"max_loras": 2}) as live, \
+            httpx.Client(base_url=live.base_url, timeout=60) as admin:
+        assert admin.post("/admin/plans", json=PLAN, headers=bearer(ADMIN_KEY)
+                          ).status_code == 201
+        tenant = admin.post("/admin/tenants", headers=bearer(ADMIN_KEY), json={
+            "name": "fuzz", "plan": PLAN["name"], "quotas": {"max_tokens": MAX_NEW_TOKENS},
+        }).json()
+        key = create_key(admin, tenant["id"], scopes=["inference", "adapters:write"])
+        service = Service(live.base_url, admin, live.engine.model_id, tenant["id"], key["key"])
+        used = _upload(admin, key["key"], ADAPTER, adapter_dir, "/v1/adapters")
+        own_victim = _upload(admin, key["key"], "fuzz-victim", adapter_dir, "/v1/adapters")
+        shared_victim = _upload(admin, ADMIN_KEY, "shared-victim", adapter_dir,
+                                "/admin/adapters")
+        period = datetime.now(UTC).strftime("%Y-%m")
+        invoice = admin.post("/admin/invoices", headers=bearer(ADMIN_KEY),
+                             json={"tenant_id": tenant["id"], "period": period})
+        assert invoice.status_code == 200, invoice.text
+        invoice_id = str(invoice.json()["id"])
+        service.readable = {
+            "adapter_id": used,
+            "tenant_id": tenant["id"],
+            "key_id": key["id"],
+            "name": PLAN["name"],
+            "invoice_id": invoice_id,
+            "model_id": ADAPTER,
+        }
+        victim_key = create_key(admin, service.victim_tenant())["id"]
+        service.victims = {
+            "tenant_id": service.victim_tenant,
+            "key_id": lambda: victim_key,
+            "adapter_id": lambda: shared_victim,
+            "own_adapter_id": lambda: own_victim,
+            "invoice_id": lambda: invoice_id,  # finalizing it twice changes nothing
+        }
+        yield service
 
 
 def _upload(admin: httpx.Client, key: str, name: str, adapter_dir: Path, path: str) -> str:

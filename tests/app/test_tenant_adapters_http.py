@@ -4,7 +4,6 @@ use it; shared adapters reach everyone; versions stay addressable."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,16 +12,12 @@ import httpx
 import openai
 import pytest
 
-from app.core.config import Settings
-from app.main import create_app
 from engine.async_engine import AsyncEngine
-from engine.config import EngineConfig
 from tests.utils.hf_oracle import hf_greedy, peft_greedy
-from tests.utils.live_server import serve_in_thread
 from tests.utils.peft_adapters import make_peft_adapter
+from tests.utils.real_service import real_service
 from tests.utils.saas import (
     ADMIN_KEY,
-    SECRET_KEY,
     bearer,
     create_key,
     create_tenant,
@@ -76,25 +71,17 @@ def service(
                                   targets=("q_proj", "k_proj", "v_proj", "o_proj")),
         "shared": make_peft_adapter(base, root / "shared", r=2, alpha=4, seed=13),
     }
-    engine = AsyncEngine(EngineConfig(model=str(base), device="cpu", max_loras=2))
-    engine.start_sync()
-    settings = Settings(
-        data_dir=root / "data", database_url=f"sqlite:///{root / 'data' / 'db.sqlite'}",
-        admin_key=ADMIN_KEY, secret_key=SECRET_KEY,
-    )
-    try:
-        with serve_in_thread(create_app(engine, settings)) as url, \
-                httpx.Client(base_url=url, timeout=60) as admin:
-            a = create_tenant(admin, "tenant-a")
-            b = create_tenant(admin, "tenant-b")
-            keys = {
-                "a": create_key(admin, a["id"])["key"],
-                "a-writer": create_key(admin, a["id"], scopes=["adapters:write"])["key"],
-                "b": create_key(admin, b["id"], scopes=["inference", "adapters:write"])["key"],
-            }
-            yield Service(url, engine, base, adapters, keys, {"a": a["id"], "b": b["id"]})
-    finally:
-        asyncio.run(engine.shutdown())
+    with real_service(base, root, engine_options={"max_loras": 2}) as live, \
+            httpx.Client(base_url=live.base_url, timeout=60) as admin:
+        a = create_tenant(admin, "tenant-a")
+        b = create_tenant(admin, "tenant-b")
+        keys = {
+            "a": create_key(admin, a["id"])["key"],
+            "a-writer": create_key(admin, a["id"], scopes=["adapters:write"])["key"],
+            "b": create_key(admin, b["id"], scopes=["inference", "adapters:write"])["key"],
+        }
+        yield Service(live.base_url, live.engine, base, adapters, keys,
+                      {"a": a["id"], "b": b["id"]})
 
 
 def _upload(service: Service, key: str, name: str, local: str, *, path: str = "/v1/adapters"
