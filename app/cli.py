@@ -97,6 +97,11 @@ class DrainingServer(uvicorn.Server):
             self.should_exit = True
         return await super().on_tick(counter)
 
+    def raise_if_engine_failed(self) -> None:
+        """After serving: EngineFailed (exit 1) if it stopped because the engine failed."""
+        if self.failure is not None:
+            raise EngineFailed(self.failure)
+
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         # NOTE: uvicorn re-raises a caught signal once it has shut down, which would kill
@@ -128,8 +133,7 @@ async def serve_app(app: FastAPI, engine: EngineClient, settings: Settings) -> N
         await server.serve()
     finally:
         await engine.shutdown()
-    if server.failure is not None:
-        raise EngineFailed(server.failure)
+    server.raise_if_engine_failed()
 
 
 async def serve_engine(

@@ -16,7 +16,6 @@ from pydantic import ValidationError
 
 from app.cli import (
     DrainingServer,
-    EngineFailed,
     _engine_config,
     _engine_options,
     _parse_loras,
@@ -203,8 +202,7 @@ async def serve_worker(
         await publisher.stop()
         await engine.shutdown()
         await redis.aclose()
-    if server.failure is not None:
-        raise EngineFailed(server.failure)
+    server.raise_if_engine_failed()
 
 
 @click.command()

@@ -57,7 +57,6 @@ class AsyncEngine:
         self._streams: dict[str, _Stream] = {}
         self._thread: threading.Thread | None = None
         self._stopping = False
-        self._error: BaseException | None = None
         self._failure: str | None = None  # why the engine stopped serving for good
 
     # -- lifecycle ---------------------------------------------------------------------
@@ -120,7 +119,7 @@ class AsyncEngine:
             self._core is not None
             and self._thread is not None
             and self._thread.is_alive()
-            and self._error is None
+            and self._failure is None
             and not self._stopping
         )
 
@@ -199,8 +198,8 @@ class AsyncEngine:
         priority: int = 0,
         tenant: TenantContext | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        if self._error is not None:
-            raise EngineDeadError(f"engine failed: {self._error}")
+        if self._failure is not None:
+            raise EngineDeadError(f"engine failed: {self._failure}")
         if self._stopping:
             raise EngineDeadError("engine is shutting down")
         request = Request(
@@ -217,8 +216,8 @@ class AsyncEngine:
         self.core.check_request(request.num_prompt_tokens, sampling.max_tokens, tenant)
         stream = _Stream(loop=asyncio.get_running_loop())
         with self._lock:
-            if self._error is not None:  # failed since the check above
-                raise EngineDeadError(f"engine failed: {self._error}")
+            if self._failure is not None:  # failed since the check above
+                raise EngineDeadError(f"engine failed: {self._failure}")
             if request_id in self._streams:
                 raise ValueError(f"duplicate request id {request_id!r}")
             self._streams[request_id] = stream
@@ -299,7 +298,6 @@ class AsyncEngine:
         log.critical("engine failed, serving no more requests: %s", reason)
         with self._lock:
             self._failure = reason
-            self._error = RuntimeError(reason)
         self._fail_all(EngineDeadError(f"engine failed: {reason}"))
 
     def _deliver(self, outputs: list[RequestOutput], errors: dict[str, BaseException]) -> None:

@@ -266,10 +266,8 @@ class EngineCore:
             # NOTE: the forward and sampling contain their own failures; what reaches here
             # failed in scheduling or bookkeeping, with no request to blame: the next steps
             # try again, a few times.
-            log.exception("engine step failed")
-            self.num_step_failures += 1
+            self._note_failure("scheduling", exc)
             self.consecutive_failures += 1
-            self.last_failure = f"step: {type(exc).__name__}: {exc}"
             outputs = []
         failures, self._failures = self._failures, {}
         fatal = None
@@ -333,8 +331,7 @@ class EngineCore:
     def _note_failure(self, where: str, exc: BaseException) -> None:
         self.num_step_failures += 1
         self.last_failure = f"{where}: {type(exc).__name__}: {exc}"
-        log.error("engine step failed in its %s; running its requests one by one", where,
-                  exc_info=exc)
+        log.error("engine step failed in %s", where, exc_info=exc)
         if self.runner.device.type == "cuda":
             torch.cuda.empty_cache()  # an out-of-memory error may clear with the cache
 

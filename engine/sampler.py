@@ -175,9 +175,7 @@ def _make_finite_(x: Tensor) -> None:
     """In place: NaN -> -inf, +inf -> the largest float; a row with no finite value left
     becomes all zeros (uniform), so that softmax of every row has a positive sum."""
     torch.nan_to_num_(x, nan=-torch.inf, posinf=torch.finfo(x.dtype).max, neginf=-torch.inf)
-    empty = x.amax(dim=-1) == -torch.inf
-    if bool(empty.any()):
-        x[empty] = 0.0
+    x.masked_fill_((x.amax(dim=-1) == -torch.inf)[:, None], 0.0)  # no host sync
 
 
 # Logprobs are floored here, as OpenAI's API reports them: JSON has no -Infinity.

@@ -14,7 +14,7 @@ import click
 import uvicorn
 
 from app.api.state import AppState
-from app.cli import DrainingServer, EngineFailed
+from app.cli import DrainingServer
 from app.core.config import Settings
 from app.demo import printout
 from app.demo.cache import TrainedAdapter, ensure_trained
@@ -99,8 +99,7 @@ async def _serve(
         await serving
     finally:
         await engine.shutdown()
-    if server.failure is not None:
-        raise EngineFailed(server.failure)
+    server.raise_if_engine_failed()
 
 
 def server_port(server: uvicorn.Server, settings: Settings) -> int:

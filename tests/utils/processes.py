@@ -117,13 +117,9 @@ def serve_process(
         k: v for k, v in os.environ.items()
         if k not in ("DATABASE_URL", "REDIS_URL", "LORAPLEX_DATA_DIR", "LORAPLEX_NO_AUTH")
     }
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-c", CLI_LAUNCHER, "serve", "--port", str(port), *serve_args],
-            cwd=REPO_ROOT, env={**inherited, **env}, stdout=out, stderr=subprocess.STDOUT,
-        )
-    server = ServeProcess(proc=proc, base_url=f"http://127.0.0.1:{port}", log=log)
-    try:
+    with cli_process(["serve", "--port", str(port), *serve_args], {**inherited, **env},
+                     log) as proc:
+        server = ServeProcess(proc=proc, base_url=f"http://127.0.0.1:{port}", log=log)
         deadline = time.monotonic() + ready_timeout_s
         while True:
             assert proc.poll() is None, f"serve exited with {proc.returncode}\n{server.tail()}"
@@ -133,10 +129,6 @@ def serve_process(
             assert time.monotonic() < deadline, f"serve not ready\n{server.tail()}"
             time.sleep(0.2)
         yield server
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(10)
 
 
 @contextlib.contextmanager
