@@ -43,6 +43,7 @@ test-fast: install
 lint: install
 	$(BIN)/ruff check app engine kernels bench tests
 	$(BIN)/mypy
+	$(BIN)/lint-imports --no-cache --no-logo
 
 bench: install
 	$(BIN)/loraplex bench throughput

@@ -22,8 +22,9 @@ from admin_ui.web import (
     login_redirect,
     wants_json,
 )
-from app.api.errors import APIError
+from app.api.errors import APIError, service_error
 from app.api.state import AppState
+from app.core.errors import ServiceError
 
 # Streamed uploads: RequestContextMiddleware must not apply the general body limit.
 UPLOAD_PATHS = frozenset({adapters.UPLOAD_PATH})
@@ -58,6 +59,11 @@ def install(app: FastAPI) -> None:
         response = api_error_handler(request, exc)
         return await response if inspect.isawaitable(response) else response
 
+    async def on_service_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, ServiceError)
+        return await on_api_error(request, service_error(exc))
+
     app.add_exception_handler(LoginRequired, on_login_required)
     app.add_exception_handler(UIError, on_ui_error)
     app.add_exception_handler(APIError, on_api_error)
+    app.add_exception_handler(ServiceError, on_service_error)

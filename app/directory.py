@@ -21,7 +21,7 @@ from datetime import UTC, datetime, timedelta
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from app.api.errors import APIError
+from app.core.errors import Unauthenticated
 from app.core.principal import AdapterRef, Principal, TenantInfo
 from app.core.security import DISPLAY_PREFIX_CHARS, hash_key, well_formed
 from app.directory_snapshot import EMPTY, Changes, Snapshot, merge, read_changes
@@ -45,10 +45,8 @@ ALL_SCOPES = frozenset(s.value for s in Scope)
 AdapterListener = Callable[[list[AdapterRef], list[AdapterRef]], object]
 
 
-def _unauthorized(message: str) -> APIError:
-    return APIError(
-        401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}
-    )
+def _unauthorized(message: str) -> Unauthenticated:
+    return Unauthenticated(message, code="invalid_api_key")
 
 
 def _masked(key: str) -> str:

@@ -27,6 +27,7 @@ from app.api.routes import (
     completions,
     health,
     models,
+    responses,
     usage,
 )
 from app.api.state import AppState
@@ -121,7 +122,8 @@ def create_app(engine: EngineClient, settings: Settings) -> FastAPI:
 
 def _include_api_routes(app: FastAPI) -> None:
     for module in (
-        completions, chat, models, health, adapters, admin_tenants, usage, admin_engine, billing
+        completions, chat, responses, models, health, adapters, admin_tenants, usage,
+        admin_engine, billing,
     ):
         app.include_router(module.router)
 

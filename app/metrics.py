@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any, Protocol, cast
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import (
@@ -15,7 +15,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from engine.client import EngineClient
-from engine.lora.cache import AdapterCacheStats
+from engine.stats import AdapterCacheStats
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
@@ -119,15 +119,12 @@ class _EngineCollector(Collector):
         yield from _adapter_cache_metrics(cache)
 
 
-class _WorkerPool(Protocol):
-    def workers(self) -> list[Any]: ...
-
-
 def _worker_metrics(engine: EngineClient) -> Iterator[Metric]:
-    """A gateway's engine is a pool of workers: how many take requests right now."""
-    if not hasattr(engine, "workers"):
+    """A gateway's engine is a pool of workers: how many take requests right now. (The
+    in-process engine's one worker has no rotation: no series.)"""
+    reports = [w for w in engine.workers() if w.in_rotation is not None]
+    if not reports:
         return
-    reports = cast(_WorkerPool, engine).workers()
     workers = GaugeMetricFamily(
         "loraplex_workers",
         "Engine workers with a live heartbeat, in rotation or out of it (after a failure).",

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import click
 
+from app.server_options import engine_option
+
 _FORMATS = ("json", "table")
 
 
@@ -27,14 +29,12 @@ class PlanInputError(click.ClickException):
                    "its config.json is read.")
 @click.option("--dtype", default="bfloat16", show_default=True,
               type=click.Choice(["bfloat16", "float16", "float32"]))
-@click.option("--max-loras", default=8, show_default=True, type=click.IntRange(min=1),
-              help="Adapter slots on each worker's device.")
-@click.option("--max-lora-rank", default=64, show_default=True, type=click.IntRange(min=1))
-@click.option("--max-num-seqs", default=64, show_default=True, type=click.IntRange(min=1),
-              help="Sequences per step on shared workers (dedicated: the tenant's concurrency).")
-@click.option("--max-num-batched-tokens", default=2048, show_default=True,
-              type=click.IntRange(min=1))
-@click.option("--block-size", default=16, show_default=True, type=click.IntRange(min=1))
+@engine_option("--max-loras", help="Adapter slots on each worker's device.")
+@engine_option("--max-lora-rank")
+@engine_option("--max-num-seqs",
+               help="Sequences per step on shared workers (dedicated: the tenant's concurrency).")
+@engine_option("--max-num-batched-tokens", help=None)
+@engine_option("--block-size")
 @click.option("--format", "fmt", default="json", show_default=True, type=click.Choice(_FORMATS))
 def plan(
     topology_path: Path | None,

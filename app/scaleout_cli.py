@@ -12,33 +12,25 @@ from typing import Any
 
 import click
 import redis.asyncio as aioredis
-from pydantic import ValidationError
 
-from app.cli import (
+from app.core.config import Settings, WorkerSettings, is_loopback_host
+from app.server_options import (
     DrainingServer,
-    _engine_config,
-    _engine_options,
-    _parse_loras,
-    _settings,
-    _setup_logging,
+    engine_config,
+    engine_options,
+    load_settings,
+    load_worker_settings,
+    parse_loras,
     preload_adapters,
     serve_app,
+    setup_logging,
 )
-from app.core.config import Settings, WorkerSettings, is_loopback_host
 from engine.config import EngineConfig
 
 logger = logging.getLogger("loraplex")
 
 _MIN_TOKEN_CHARS = 16
 _WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::", "[::]"})
-
-
-def _worker_settings(**overrides: Any) -> WorkerSettings:
-    try:
-        return WorkerSettings(**{k: v for k, v in overrides.items() if v is not None})
-    except ValidationError as exc:
-        messages = "; ".join(e["msg"].removeprefix("Value error, ") for e in exc.errors())
-        raise click.UsageError(messages) from exc
 
 
 def default_advertise_url(host: str, port: int) -> str:
@@ -87,10 +79,10 @@ def _check_token(token: str | None, *, insecure: bool, host: str) -> str | None:
                    "is shared.")
 @click.option("--insecure-no-token", is_flag=True,
               help="Serve the internal API without LORAPLEX_WORKER_TOKEN (loopback only).")
-@click.option("--lora", "loras", multiple=True, callback=_parse_loras, metavar="NAME=PATH",
+@click.option("--lora", "loras", multiple=True, callback=parse_loras, metavar="NAME=PATH",
               help="Preload a PEFT adapter directory, visible to every tenant; gateways send "
                    "its requests to the workers that have it (repeatable).")
-@_engine_options
+@engine_options
 def worker(
     host: str | None,
     port: int | None,
@@ -109,14 +101,14 @@ def worker(
     gateways list them and route their requests here). SIGTERM: leaves rotation at once,
     finishes in-flight requests, exits 0.
     """
-    settings = _worker_settings(host=host, port=port)
+    settings = load_worker_settings(host=host, port=port)
     if not settings.redis_url:
         raise click.UsageError(
             "loraplex worker needs REDIS_URL: gateways find workers by their heartbeats there."
         )
     token = _check_token(settings.worker_token, insecure=insecure_no_token, host=settings.host)
-    config = _engine_config(**engine, data_dir=settings.data_dir)
-    _setup_logging()
+    config = engine_config(**engine, data_dir=settings.data_dir)
+    setup_logging()
     asyncio.run(
         serve_worker(
             config,
@@ -220,18 +212,18 @@ def gateway(host: str | None, port: int | None, no_auth: bool, model: str) -> No
     shared quotas), LORAPLEX_WORKER_TOKEN, DATABASE_URL shared by all gateways, and
     LORAPLEX_DATA_DIR shared with the workers (the adapter store).
     """
-    bind = host or _settings().host
+    bind = host or load_settings().host
     if no_auth and not is_loopback_host(bind):
         raise click.UsageError(
             f"--no-auth serves without API keys and only binds a loopback address "
             f"(127.0.0.1, ::1, localhost), not {bind!r}."
         )
-    settings = _settings(host=host, port=port, no_auth=no_auth)
+    settings = load_settings(host=host, port=port, no_auth=no_auth)
     if not settings.redis_url:
         raise click.UsageError(
             "loraplex gateway needs REDIS_URL: it finds workers by their heartbeats there."
         )
-    _setup_logging()
+    setup_logging()
     if not settings.worker_token:
         logger.warning(
             "LORAPLEX_WORKER_TOKEN is not set: only workers started with --insecure-no-token "

@@ -17,8 +17,8 @@ from sqlalchemy import CursorResult, Result, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from app.api.errors import APIError, invalid_request
 from app.audit import AuditContext, audit
+from app.core.errors import Conflict, InvalidInput, NotFound
 from app.core.principal import Quotas
 from app.core.security import generate_key
 from app.models import Adapter, ApiKey, Isolation, Scope, Tenant, Tier, new_id, utcnow
@@ -57,12 +57,12 @@ class CreatedKey:
 # ------------------------------------------------------------------------------ errors
 
 
-def not_found(kind: str, ident: str) -> APIError:
-    return APIError(404, f"No {kind} with id '{ident}'.", code="not_found")
+def not_found(kind: str, ident: str) -> NotFound:
+    return NotFound(f"No {kind} with id '{ident}'.")
 
 
-def conflict(message: str, *, param: str | None = None) -> APIError:
-    return APIError(409, message, param=param, code="conflict")
+def conflict(message: str, *, param: str | None = None) -> Conflict:
+    return Conflict(message, param=param)
 
 
 # ----------------------------------------------------------------------------- tenants
@@ -72,13 +72,13 @@ def tenant_quotas(row: Tenant) -> Quotas:
     return Quotas(**{name: getattr(row, name) for name in QUOTA_FIELDS})
 
 
-def _name_taken(name: str) -> APIError:
+def _name_taken(name: str) -> Conflict:
     # NOTE: a deleted tenant keeps its name (its usage rows and invoices still carry it).
     return conflict(f"A tenant named '{name}' already exists (or existed).", param="name")
 
 
 def _flush_unique_name(session: Session, name: str) -> None:
-    """Flush; a concurrent insert of the same name surfaces as a 409, not a 500."""
+    """Flush; a concurrent insert of the same name surfaces as a Conflict, not a crash."""
     try:
         session.flush()
     except IntegrityError:
@@ -224,7 +224,7 @@ def delete_tenant(session: Session, *, tenant_id: str, by: AuditContext) -> Tena
 
 def _check_expiry(expires_at: datetime | None) -> None:
     if expires_at is not None and expires_at <= utcnow():
-        raise invalid_request(
+        raise InvalidInput(
             f"'expires_at' must be in the future (got {expires_at.isoformat()}).",
             param="expires_at",
         )
@@ -286,7 +286,7 @@ def create_tenant_key(
 ) -> CreatedKey:
     get_tenant(session, tenant_id=tenant_id, include_deleted=False)
     if not scopes:
-        raise invalid_request("'scopes' must name at least one scope.", param="scopes")
+        raise InvalidInput("'scopes' must name at least one scope.", param="scopes")
     unique = list(dict.fromkeys(Scope(s).value for s in scopes))
     return _new_key(
         session,

@@ -12,23 +12,11 @@ import torch
 from safetensors.torch import save_file
 
 from engine.model_loader import ModelConfig
+from engine.models.registry import model_class_for
 
+# Llama-family module names (Llama, Mistral, Qwen2, Qwen3).
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 ALL_LINEAR = (*ATTENTION, "gate_proj", "up_proj", "down_proj")
-
-
-def module_shape(config: ModelConfig, module: str) -> tuple[int, int]:
-    """(in_features, out_features) of a Hugging Face Llama linear."""
-    hid, inter = config.hidden_size, config.intermediate_size
-    return {
-        "q_proj": (hid, config.q_size),
-        "k_proj": (hid, config.kv_size),
-        "v_proj": (hid, config.kv_size),
-        "o_proj": (config.q_size, hid),
-        "gate_proj": (hid, inter),
-        "up_proj": (hid, inter),
-        "down_proj": (inter, hid),
-    }[module]
 
 
 def write_random_adapter(
@@ -41,13 +29,16 @@ def write_random_adapter(
     seed: int = 0,
     base_model: str = "",
 ) -> Path:
-    """A PEFT LoRA directory with seeded random factors of a modest effect."""
+    """A PEFT LoRA directory with seeded random factors of a modest effect. `targets`:
+    module names of the config's architecture (its class's linear_shapes)."""
+    arch = model_class_for(config)
+    shapes = arch.linear_shapes(config)
     generator = torch.Generator().manual_seed(seed)
     tensors: dict[str, torch.Tensor] = {}
     for layer in range(config.num_layers):
         for module in targets:
-            fin, fout = module_shape(config, module)
-            part = "self_attn" if module in ATTENTION else "mlp"
+            fin, fout = shapes[module]
+            part = arch.module_parents[module]
             prefix = f"base_model.model.model.layers.{layer}.{part}.{module}"
             std = 1.0 / math.sqrt(fin)
             tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, fin, generator=generator) * std

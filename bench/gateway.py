@@ -1,9 +1,10 @@
 """`loraplex bench gateway`: what the gateway adds to a request, against an instant engine.
 
 Two servers run in subprocesses (their own interpreters, so the load generator does
-not share their GIL), each `create_app(InstantEngine(), Settings(...))` behind uvicorn
-as `loraplex serve` runs it: one with API keys, Redis quotas and metering ("keys"), one
-with `no_auth` (no key lookup, no quotas; metering still on). Scenarios, alternating:
+not share their GIL), each `create_app(FakeEngine.instant_engine(), Settings(...))`
+behind uvicorn as `loraplex serve` runs it: one with API keys, Redis quotas and metering
+("keys"), one with `no_auth` (no key lookup, no quotas; metering still on). Scenarios,
+alternating:
 
 - `health`: open-loop `GET /health`, the HTTP + client floor of this machine;
 - `chat`: open-loop `POST /v1/chat/completions` with a tenant key (auth, Redis

@@ -1,4 +1,4 @@
-"""The gateway benchmark's servers: an InstantEngine behind the real app, in subprocesses.
+"""The gateway benchmark's servers: an instant engine behind the real app, in subprocesses.
 
 `python -m bench.gateway_server` is one such server, configured by the environment
 (LORAPLEX_*, DATABASE_URL, REDIS_URL) exactly as `loraplex serve` reads it.
@@ -77,8 +77,8 @@ class Server:
 
 def start_server(name: str, data_dir: Path, *, no_auth: bool, admin_key: str,
                  database_url: str | None, redis_url: str) -> Server:
-    """`create_app(InstantEngine(), Settings())` served like `loraplex serve`, in its own
-    interpreter; database_url None: a fresh SQLite file under data_dir."""
+    """`create_app(FakeEngine.instant_engine(), Settings())` served like `loraplex serve`,
+    in its own interpreter; database_url None: a fresh SQLite file under data_dir."""
     data_dir.mkdir(parents=True)
     port = free_port()
     database_url = database_url or f"sqlite:///{data_dir / 'loraplex.db'}"
@@ -143,13 +143,13 @@ def setup_tenant(server: Server, admin_key: str) -> None:
 
 
 def serve_main() -> None:
-    """The server subprocess: Settings from the environment, an InstantEngine, uvicorn."""
-    from app.cli import serve_app
+    """The server subprocess: Settings from the environment, an instant engine, uvicorn."""
     from app.core.config import Settings
     from app.main import create_app
-    from bench.instant_engine import InstantEngine
+    from app.server_options import serve_app
+    from engine.fake import FakeEngine
 
-    engine = InstantEngine()
+    engine = FakeEngine.instant_engine()
     settings = Settings()
     asyncio.run(serve_app(create_app(engine, settings), engine, settings))
 

@@ -296,7 +296,7 @@ def run_overhead(opts: LoRABenchOptions) -> dict[str, Any]:
     """The same requests on the base model and all on one adapter, in one in-process
     engine (no HTTP): mean step time of each, best of `repeats` alternating rounds."""
     from engine.engine_core import EngineCore
-    from engine.request import Request, SamplingParams
+    from engine.request import EngineRequest, SamplingParams
 
     model_dir, config = _model(opts)
     adapters = make_adapters(_adapter_root(), config, 1, rank=opts.rank, targets=opts.targets)
@@ -312,13 +312,13 @@ def run_overhead(opts: LoRABenchOptions) -> dict[str, Any]:
         seed=opts.seed,
     )
 
-    def requests(tag: str, adapter: str | None) -> list[Request]:
+    def requests(tag: str, adapter: str | None) -> list[EngineRequest]:
         return [
-            Request(
+            EngineRequest(
                 request_id=f"{tag}-{i}",
-                prompt_token_ids=list(r.prompt_token_ids),
+                prompt_token_ids=tuple(r.prompt_token_ids),
                 sampling=SamplingParams(max_tokens=r.max_tokens, temperature=0, ignore_eos=True),
-                adapter_id=adapter,
+                adapter=adapter,
                 # A distinct salt per round: no prefix-cache hits between rounds.
                 salt=tag,
             )
@@ -353,7 +353,7 @@ def run_cold_load(opts: LoRABenchOptions, *, loads: int = 20) -> dict[str, Any]:
     device-slot install its first request pays; PEFT's `load_adapter` of the same files
     on the same machine is the baseline."""
     from engine.engine_core import EngineCore
-    from engine.request import Request, SamplingParams
+    from engine.request import EngineRequest, SamplingParams
 
     model_dir, config = _model(opts)
     core = EngineCore(EngineConfig(model=str(model_dir), max_loras=1, max_cpu_loras=1))
@@ -383,11 +383,11 @@ def run_cold_load(opts: LoRABenchOptions, *, loads: int = 20) -> dict[str, Any]:
             size_bytes = core.add_adapter(f"cold-{i}", path).size_bytes
             loaded = time.perf_counter()
             core.add_request(
-                Request(
+                EngineRequest(
                     request_id=f"r{i}",
-                    prompt_token_ids=[1000, 1001],
+                    prompt_token_ids=(1000, 1001),
                     sampling=SamplingParams(max_tokens=1, temperature=0),
-                    adapter_id=f"cold-{i}",
+                    adapter=f"cold-{i}",
                 )
             )
             while core.has_unfinished_requests():

@@ -6,18 +6,26 @@ import asyncio
 import contextlib
 import logging
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine.client import AdapterInfo, AdapterPlacement, EngineStats
+from engine.client import (
+    LOCAL_WORKER_ID,
+    AdapterInfo,
+    AdapterPlacement,
+    EngineStats,
+    Route,
+    RouteHint,
+    WorkerStatus,
+)
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore
-from engine.lora.peft import module_shape
-from engine.lora.weights import TARGET_MODULES
+from engine.errors import EngineDeadError
 from engine.model_loader import ModelConfig
-from engine.request import Request, RequestOutput, SamplingParams, TenantContext
+from engine.models.registry import model_class_for
+from engine.request import EngineRequest, RequestOutput, TenantContext
 
 log = logging.getLogger("loraplex.engine")
 
@@ -27,10 +35,6 @@ _IDLE_WAIT_S = 0.05
 # adapter_config.json (rank_pattern / alpha_pattern may name every module) and the
 # safetensors header's fixed part.
 _ADAPTER_FILES_SLACK = 1024 * 1024
-
-
-class EngineDeadError(RuntimeError):
-    """The engine failed for good or shut down; requests in flight end with this error."""
 
 
 @dataclass(slots=True)
@@ -52,7 +56,7 @@ class AsyncEngine:
         self.config = config
         self._core: EngineCore | None = None
         self._lock = threading.Condition()
-        self._pending_adds: list[Request] = []
+        self._pending_adds: list[EngineRequest] = []
         self._pending_aborts: list[str] = []
         self._streams: dict[str, _Stream] = {}
         self._thread: threading.Thread | None = None
@@ -187,33 +191,17 @@ class AsyncEngine:
     ) -> None:
         self.core.check_request(num_prompt_tokens, max_tokens, tenant)
 
-    async def generate(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        sampling: SamplingParams,
-        *,
-        adapter_id: str | None = None,
-        salt: str | None = None,
-        priority: int = 0,
-        tenant: TenantContext | None = None,
-    ) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         if self._failure is not None:
             raise EngineDeadError(f"engine failed: {self._failure}")
         if self._stopping:
             raise EngineDeadError("engine is shutting down")
-        request = Request(
-            request_id=request_id,
-            prompt_token_ids=list(prompt_token_ids),
-            sampling=sampling,
-            adapter_id=adapter_id,  # the adapter's name; the core binds it to a version
-            salt=salt,
-            priority=priority,
-            tenant=tenant,
-        )
+        request_id = request.request_id
         # Reject up front, in the caller's thread, what the core would refuse.
         self.core.check_prompt_ids(request.prompt_token_ids)
-        self.core.check_request(request.num_prompt_tokens, sampling.max_tokens, tenant)
+        self.core.check_request(
+            len(request.prompt_token_ids), request.sampling.max_tokens, request.tenant
+        )
         stream = _Stream(loop=asyncio.get_running_loop())
         with self._lock:
             if self._failure is not None:  # failed since the check above
@@ -234,6 +222,24 @@ class AsyncEngine:
         finally:
             if not stream.finished:
                 self.abort(request_id)
+
+    def route(self, request_ids: Sequence[str], hint: RouteHint) -> Route | None:
+        return None  # every request runs here
+
+    def release(self, request_ids: Sequence[str]) -> None:
+        pass  # nothing was reserved for them
+
+    def workers(self) -> list[WorkerStatus]:
+        return [
+            WorkerStatus(
+                id=LOCAL_WORKER_ID,
+                model=self.model_id,
+                ready=self.is_ready(),
+                stats=self.stats(),
+                adapters=self.list_adapters(),
+                residency=self.adapter_residency(),
+            )
+        ]
 
     def abort(self, request_id: str) -> None:
         with self._lock:
@@ -339,11 +345,12 @@ def _put_all(items: list[tuple[_Stream, Any]]) -> None:
 def max_adapter_bytes(model_config: ModelConfig, max_rank: int) -> int:
     """Bytes of the largest adapter load_peft_adapter accepts for this base model."""
     num_params = 0
-    # NOTE: the loader's own shape table, so that the bound and the check never disagree.
-    for module in TARGET_MODULES:
-        in_features, out_features = module_shape(module, model_config)
+    # NOTE: the loader's own shape table (the architecture's), so that the bound and the
+    # check never disagree.
+    shapes = model_class_for(model_config).linear_shapes(model_config)
+    for in_features, out_features in shapes.values():
         num_params += max_rank * (in_features + out_features)  # lora_A [r, in] + lora_B [out, r]
-    num_tensors = 2 * len(TARGET_MODULES) * model_config.num_layers
+    num_tensors = 2 * len(shapes) * model_config.num_layers
     # float32 is the widest dtype adapters are saved in; each tensor's header entry
     # (name, dtype, shape, offsets) stays well under 256 bytes of JSON.
     weights = 4 * num_params * model_config.num_layers + 256 * num_tensors

@@ -227,7 +227,7 @@ class BlockManager:
             for j in range(len(keys), num_blocks):
                 parent = keys[j - 1] if j else None
                 block_tokens = tokens[j * bs : (j + 1) * bs]
-                keys.append(block_key(parent, request.salt, request.adapter_id, block_tokens))
+                keys.append(block_key(parent, request.salt, request.adapter_key, block_tokens))
         return keys[:num_blocks]
 
     def _register_full_blocks(self, request: Request, first: int, end: int) -> None:
@@ -242,7 +242,7 @@ class BlockManager:
             if keys[index] not in self._cached:
                 self._cached[keys[index]] = block_id
                 self._block_keys[block_id] = keys[index]
-                self._block_adapters[block_id] = request.adapter_id
+                self._block_adapters[block_id] = request.adapter_key
 
     def _take_free_block(self) -> int:
         block_id, _ = self._free.popitem(last=False)

@@ -1,43 +1,55 @@
-"""The one interface the app uses to reach an engine (in-process today, a worker later)."""
+"""The one interface the app uses to reach an engine: in process (`AsyncEngine`) or on
+workers behind a gateway (`RemoteEngine`); the app never tells the two apart."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from engine.lora.cache import AdapterCacheStats
-from engine.request import RequestOutput, SamplingParams, TenantContext
+from engine.errors import (
+    AdapterError,
+    AdapterLoadError,
+    EngineDeadError,
+    EngineError,
+    EngineStepError,
+    EngineUnavailable,
+    NoWorkerAvailable,
+    RequestRejected,
+    WorkerLost,
+)
+from engine.request import EngineRequest, RequestOutput, TenantContext
+from engine.stats import AdapterCacheStats, LatencyHistogram
 
 __all__ = [
+    "LOCAL_WORKER_ID",
+    "WORKER_HEADER",
+    "AdapterCacheStats",
+    "AdapterError",
     "AdapterInfo",
+    "AdapterLoadError",
     "AdapterPlacement",
     "EngineClient",
+    "EngineDeadError",
+    "EngineError",
+    "EngineRequest",
     "EngineStats",
     "EngineStepError",
     "EngineUnavailable",
+    "LatencyHistogram",
+    "NoWorkerAvailable",
     "RequestRejected",
+    "Route",
+    "RouteHint",
     "TenantContext",
+    "WorkerLost",
+    "WorkerStatus",
 ]
 
-
-class RequestRejected(ValueError):
-    """A request the engine can never serve (too long for the context or the KV cache,
-    token ids outside the vocabulary, an adapter it does not serve)."""
-
-    def __init__(self, message: str, *, code: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.code = code
-        self.param = param
-
-
-class EngineStepError(RuntimeError):
-    """The engine step that ran this request failed on it; the engine serves on."""
-
-
-class EngineUnavailable(RuntimeError):
-    """The engine cannot take this call now, but may soon (on a gateway: no worker is in
-    rotation yet, or none answered): the caller answers 503 with Retry-After."""
+# The response header that names the worker a request ran on (gateways only).
+WORKER_HEADER = "x-loraplex-worker"
+# The id of the in-process engine's one worker; a gateway's workers have their own.
+LOCAL_WORKER_ID = "local"
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +94,46 @@ class EngineStats:
     num_step_failures: int = 0  # engine steps that raised, cumulative
 
 
+@dataclass(slots=True)
+class Route:
+    """Where one API request's engine requests run (chosen before its response starts, so
+    that the response can name it). A retry moves it: after the request, `worker_id`
+    names where they ran."""
+
+    worker_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class RouteHint:
+    """What a gateway chooses a worker by, beyond the engine requests themselves."""
+
+    adapter: str | None  # the engine's adapter name; None: the base model
+    tenant_id: str | None = None
+    tenant_name: str | None = None  # workers may name their dedicated tenants either way
+    dedicated: bool = False  # the tenant's isolation is "dedicated": its workers or none
+
+
+@dataclass(slots=True)
+class WorkerStatus:
+    """One engine worker, for operators (GET /admin/engine)."""
+
+    id: str  # "local" for the in-process engine
+    model: str
+    ready: bool
+    stats: EngineStats
+    adapters: list[AdapterInfo]  # what it serves (of those this process knows)
+    residency: list[AdapterPlacement]
+    # Workers behind a gateway only (None or empty for the in-process engine):
+    url: str | None = None
+    device: str | None = None  # "cpu", "cuda:0", ...
+    mig_profile: str | None = None
+    gpu_uuid: str | None = None
+    dedicated_tenants: list[str] = field(default_factory=list)
+    in_rotation: bool | None = None  # False: left out after a failed call, or draining
+    inflight: int | None = None  # this gateway's requests on it
+    seconds_since_heartbeat: float | None = None
+
+
 class EngineClient(Protocol):
     @property
     def model_id(self) -> str:
@@ -103,23 +155,22 @@ class EngineClient(Protocol):
         """The text of one vocabulary token on its own (for logprobs' alternatives)."""
         ...
 
-    def generate(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        sampling: SamplingParams,
-        *,
-        adapter_id: str | None = None,
-        salt: str | None = None,
-        priority: int = 0,
-        tenant: TenantContext | None = None,
-    ) -> AsyncIterator[RequestOutput]:
+    def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         """Stream outputs until one has finished=True. Closing the iterator early
         (client gone, task cancelled) aborts the request and frees what it held.
 
-        `priority`: lower is served first. `tenant`: who the request is for (fair share,
-        per-tenant caps and limits); None: the shared anonymous tenant. Raises
-        RequestRejected (e.g. code max_tokens_exceeded / context_length_exceeded)."""
+        Raises RequestRejected (e.g. code max_tokens_exceeded / context_length_exceeded),
+        EngineUnavailable (retry later), or another EngineError."""
+        ...
+
+    def route(self, request_ids: Sequence[str], hint: RouteHint) -> Route | None:
+        """Choose where the engine requests `request_ids` of one API request will run,
+        before any of them starts; None for an in-process engine (it runs them itself).
+        Raises NoWorkerAvailable. Each id is then either generated or released."""
+        ...
+
+    def release(self, request_ids: Sequence[str]) -> None:
+        """Forget the route of engine requests that will not be generated after all."""
         ...
 
     def abort(self, request_id: str) -> None: ...
@@ -151,6 +202,10 @@ class EngineClient(Protocol):
         ...
 
     def stats(self) -> EngineStats: ...
+
+    def workers(self) -> list[WorkerStatus]:
+        """Every worker this engine runs requests on (the in-process engine: one)."""
+        ...
 
     def is_ready(self) -> bool: ...
 

@@ -55,8 +55,8 @@ def forward_one_by_one(
                 "its cached prompt prefix was being computed by a request that failed"
             )))
             continue
-        slots = {} if request.adapter_id is None else {
-            request.adapter_id: adapter_slots[request.adapter_id]
+        slots = {} if request.adapter_key is None else {
+            request.adapter_key: adapter_slots[request.adapter_key]
         }
         try:
             logits = execute(SchedulerOutput(chunks=[chunk]), slots)

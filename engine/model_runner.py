@@ -21,8 +21,9 @@ from engine.model_loader import (
     load_tokenizer,
     validate_model_dir,
 )
+from engine.models.base import CausalLM
 from engine.models.cpu_linear import pack_linears, packing_available
-from engine.models.llama import LlamaForCausalLM
+from engine.models.registry import model_class_for
 from engine.request import ScheduledChunk, SchedulerOutput
 from kernels.reference import LoRASegments
 
@@ -88,7 +89,8 @@ class ModelRunner:
             )
         max_model_len = min(config.max_model_len or model_len, model_len)
 
-        self.model = LlamaForCausalLM(
+        model_cls = model_class_for(self.model_config)
+        self.model: CausalLM = model_cls(
             self.model_config, max_positions=max_model_len, device=self.device, dtype=self.dtype
         )
         self.model.load_weights(iter_safetensors(self.model_dir))
@@ -169,76 +171,95 @@ class ModelRunner:
     def prepare_inputs(
         self, chunks: list[ScheduledChunk], adapter_slots: Mapping[str, int] | None = None
     ) -> StepInputs:
-        bs = self.block_size
-        token_ids: list[int] = []
-        token_slots: list[int] = []  # per row: adapter slot, -1 for the base model
+        """Flatten a step's chunks into model inputs. `adapter_slots`: the device slot of
+        every adapter version the chunks' requests use."""
         slots_of = adapter_slots or {}
-
-        def slot_of(chunk: ScheduledChunk) -> int:
-            adapter_id = chunk.request.adapter_id
-            if adapter_id is None:
-                return -1
-            assert self.lora is not None, "adapter request on an engine without LoRA slots"
-            return slots_of[adapter_id]
-        positions: list[int] = []
-        slots: list[int] = []
-        decode_tables: list[list[int]] = []
-        decode_lens: list[int] = []
-        prefill_specs: list[tuple[int, int, int, list[int]]] = []
+        layout = _StepLayout()
         # Single-token chunks at the head of the step share the batched decode call.
         num_decodes = 0
         while num_decodes < len(chunks) and chunks[num_decodes].num_tokens == 1:
             num_decodes += 1
+        self._lay_out_decodes(layout, chunks[:num_decodes], slots_of)
+        for chunk in chunks[num_decodes:]:
+            self._lay_out_prefill(layout, chunk, self._adapter_slot(chunk, slots_of))
+        dev = self.device
+        return StepInputs(
+            input_ids=torch.tensor(layout.token_ids, dtype=torch.long, device=dev),
+            positions=torch.tensor(layout.positions, dtype=torch.long, device=dev),
+            metadata=self._attention_metadata(layout),
+            sample_indices=torch.tensor(layout.sample_rows, dtype=torch.long, device=dev),
+            lora=LoRASegments.from_token_slots(layout.token_slots, dev),
+        )
+
+    def _adapter_slot(self, chunk: ScheduledChunk, slots_of: Mapping[str, int]) -> int:
+        """The device slot of the chunk's adapter version; -1 for the base model."""
+        key = chunk.request.adapter_key
+        if key is None:
+            return -1
+        assert self.lora is not None, "adapter request on an engine without LoRA slots"
+        return slots_of[key]
+
+    def _lay_out_decodes(
+        self, layout: _StepLayout, decodes: list[ScheduledChunk], slots_of: Mapping[str, int]
+    ) -> None:
+        """One row per decode: its token, position, KV slot and block table."""
+        bs = self.block_size
         # NOTE: decodes are laid out longest context first so that consecutive groups
         # pad their gathered K/V only to their own longest context (see decode_groups).
-        order = sorted(range(num_decodes), key=lambda i: -chunks[i].start)
-        row_of = [0] * num_decodes
+        order = sorted(range(len(decodes)), key=lambda i: -decodes[i].start)
+        row_of = [0] * len(decodes)
         for row, i in enumerate(order):
             row_of[i] = row
-            request, start = chunks[i].request, chunks[i].start
+            request, start = decodes[i].request, decodes[i].start
             blocks = request.block_ids
             num_blocks = start // bs + 1
             assert len(blocks) >= num_blocks, (request.request_id, start, blocks)
             assert start < self.max_model_len, (request.request_id, start, self.max_model_len)
-            token_ids.append(request.token_at(start))
-            token_slots.append(slot_of(chunks[i]))
-            positions.append(start)
-            slots.append(blocks[start // bs] * bs + start % bs)
-            decode_tables.append(blocks[:num_blocks])
-            decode_lens.append(start + 1)
-        sample_rows: list[int] = [row_of[i] for i in range(num_decodes) if chunks[i].samples]
-        for chunk in chunks[num_decodes:]:
-            request, start, n = chunk.request, chunk.start, chunk.num_tokens
-            end = start + n
-            blocks = request.block_ids
-            num_blocks = -(-end // bs)
-            assert n > 0 and len(blocks) >= num_blocks, (request.request_id, start, n, blocks)
-            assert end <= self.max_model_len, (request.request_id, end, self.max_model_len)
-            row = len(token_ids)
-            prompt = request.prompt_token_ids
-            source = prompt if end <= len(prompt) else request.all_token_ids
-            token_ids.extend(source[start:end])
-            token_slots.extend([slot_of(chunk)] * n)
-            positions.extend(range(start, end))
-            i = start
-            while i < end:  # one range per block the chunk touches
-                offset = i % bs
-                run = min(bs - offset, end - i)
-                base = blocks[i // bs] * bs + offset
-                slots.extend(range(base, base + run))
-                i += run
-            prefill_specs.append((row, n, end, blocks[:num_blocks]))
-            if chunk.samples:
-                sample_rows.append(row + n - 1)
+            layout.token_ids.append(request.token_at(start))
+            layout.token_slots.append(self._adapter_slot(decodes[i], slots_of))
+            layout.positions.append(start)
+            layout.slots.append(blocks[start // bs] * bs + start % bs)
+            layout.decode_tables.append(blocks[:num_blocks])
+            layout.decode_lens.append(start + 1)
+        layout.sample_rows.extend(row_of[i] for i, c in enumerate(decodes) if c.samples)
 
+    def _lay_out_prefill(
+        self, layout: _StepLayout, chunk: ScheduledChunk, adapter_slot: int
+    ) -> None:
+        """The chunk's rows: tokens [start, end) with their positions and KV slots."""
+        bs = self.block_size
+        request, start, n = chunk.request, chunk.start, chunk.num_tokens
+        end = start + n
+        blocks = request.block_ids
+        num_blocks = -(-end // bs)
+        assert n > 0 and len(blocks) >= num_blocks, (request.request_id, start, n, blocks)
+        assert end <= self.max_model_len, (request.request_id, end, self.max_model_len)
+        row = len(layout.token_ids)
+        prompt = request.prompt_token_ids
+        source = prompt if end <= len(prompt) else request.all_token_ids
+        layout.token_ids.extend(source[start:end])
+        layout.token_slots.extend([adapter_slot] * n)
+        layout.positions.extend(range(start, end))
+        i = start
+        while i < end:  # one range of KV slots per block the chunk touches
+            offset = i % bs
+            run = min(bs - offset, end - i)
+            base = blocks[i // bs] * bs + offset
+            layout.slots.extend(range(base, base + run))
+            i += run
+        layout.prefills.append((row, n, end, blocks[:num_blocks]))
+        if chunk.samples:
+            layout.sample_rows.append(row + n - 1)
+
+    def _attention_metadata(self, layout: _StepLayout) -> AttentionMetadata:
         dev = self.device
         tables: torch.Tensor | None = None
         lens: torch.Tensor | None = None
-        if num_decodes:
-            width = max(len(t) for t in decode_tables)
-            padded = [t + [0] * (width - len(t)) for t in decode_tables]
+        if layout.decode_tables:
+            width = max(len(t) for t in layout.decode_tables)
+            padded = [t + [0] * (width - len(t)) for t in layout.decode_tables]
             tables = torch.tensor(padded, dtype=torch.long, device=dev)
-            lens = torch.tensor(decode_lens, dtype=torch.long, device=dev)
+            lens = torch.tensor(layout.decode_lens, dtype=torch.long, device=dev)
         prefills = [
             PrefillSequence(
                 query_start=row,
@@ -246,24 +267,35 @@ class ModelRunner:
                 context_len=ctx,
                 block_ids=torch.tensor(ids, dtype=torch.long, device=dev),
             )
-            for row, n, ctx, ids in prefill_specs
+            for row, n, ctx, ids in layout.prefills
         ]
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            num_decode_tokens=num_decodes,
+        return AttentionMetadata(
+            slot_mapping=torch.tensor(layout.slots, dtype=torch.long, device=dev),
+            num_decode_tokens=len(layout.decode_tables),
             decode_block_tables=tables,
             decode_context_lens=lens,
             prefills=prefills,
-            block_size=bs,
-            decode_group_sizes=decode_group_sizes([len(t) for t in decode_tables]),
+            block_size=self.block_size,
+            decode_group_sizes=decode_group_sizes([len(t) for t in layout.decode_tables]),
         )
-        return StepInputs(
-            input_ids=torch.tensor(token_ids, dtype=torch.long, device=dev),
-            positions=torch.tensor(positions, dtype=torch.long, device=dev),
-            metadata=meta,
-            sample_indices=torch.tensor(sample_rows, dtype=torch.long, device=dev),
-            lora=LoRASegments.from_token_slots(token_slots, dev),
-        )
+
+
+class _StepLayout:
+    """A step's flattened rows as Python lists, before they become tensors."""
+
+    __slots__ = ("decode_lens", "decode_tables", "positions", "prefills", "sample_rows",
+                 "slots", "token_ids", "token_slots")
+
+    def __init__(self) -> None:
+        self.token_ids: list[int] = []
+        self.token_slots: list[int] = []  # per row: adapter slot, -1 for the base model
+        self.positions: list[int] = []
+        self.slots: list[int] = []  # per row: where its K/V goes in the cache
+        self.sample_rows: list[int] = []  # rows whose logits are sampled, in chunk order
+        self.decode_tables: list[list[int]] = []  # per decode row: its block table
+        self.decode_lens: list[int] = []  # per decode row: its context length
+        # Per prefill chunk: (first row, rows, context length after it, block table).
+        self.prefills: list[tuple[int, int, int, list[int]]] = []
 
 
 # A decode group is closed when the next (shorter) sequence would pad to less than this

@@ -124,7 +124,10 @@ class Request:
     prompt_token_ids: list[int]
     sampling: SamplingParams
     eos_token_id: int | None = None
-    adapter_id: str | None = None  # None: base model
+    adapter_id: str | None = None  # the adapter's name as requested; None: base model
+    # The adapter version's key ("name#3", engine/adapter_versions.py), bound when the
+    # engine admits the request: what the scheduler, adapter cache and prefix cache use.
+    adapter_key: str | None = None
     salt: str | None = None  # tenant salt for the prefix-cache hash chain
     priority: int = 0  # lower value = served first
     # None: the shared anonymous tenant (ANONYMOUS_TENANT, weight 1, no caps).
@@ -147,6 +150,20 @@ class Request:
             raise ValueError("prompt must contain at least one token")
         if self.sampling.seed is not None and self.generator is None:
             self.generator = torch.Generator().manual_seed(self.sampling.seed)
+
+    @classmethod
+    def of(cls, request: EngineRequest, *, eos_token_id: int | None = None) -> Request:
+        """The engine's running state of a request it was handed."""
+        return cls(
+            request_id=request.request_id,
+            prompt_token_ids=list(request.prompt_token_ids),
+            sampling=request.sampling,
+            eos_token_id=eos_token_id,
+            adapter_id=request.adapter,
+            salt=request.salt,
+            priority=request.priority,
+            tenant=request.tenant,
+        )
 
     @property
     def tenant_id(self) -> str:
@@ -206,6 +223,26 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.chunks
+
+
+@dataclass(frozen=True, slots=True)
+class EngineRequest:
+    """One generation request as it crosses every boundary: the app to the engine client,
+    the gateway to a worker (serialised whole, see engine/remote/protocol.py), the
+    client to the engine core. Immutable: the core keeps its own running state."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+    adapter: str | None = None  # the adapter's name as served; None: the base model
+    salt: str | None = None  # prefix-cache salt: cached KV is shared only within it
+    priority: int = 0  # lower is served first
+    # Who the request is for (fair share, caps, limits); None: the anonymous tenant.
+    tenant: TenantContext | None = None
+
+    def __post_init__(self) -> None:
+        if not self.prompt_token_ids:
+            raise ValueError("prompt must contain at least one token")
 
 
 @dataclass(slots=True)

@@ -131,11 +131,11 @@ class Scheduler:
                 f"request {request.request_id!r} needs up to {num_needed} tokens of KV cache, "
                 f"the cache holds {self.max_tokens_capacity}"
             )
-        if request.adapter_id is not None and self.config.max_loras < 1:
+        if request.adapter_key is not None and self.config.max_loras < 1:
             raise ValueError("LoRA adapters are disabled on this engine (max_loras = 0)")
         assert request.status == RequestStatus.WAITING and not request.block_ids
-        if request.adapter_id is not None and self.adapters is not None:
-            self.adapters.reserve(request.adapter_id)
+        if request.adapter_key is not None and self.adapters is not None:
+            self.adapters.reserve(request.adapter_key)
         self._requests[request.request_id] = request
         self._seq[request.request_id] = next(self._counter)
         self.fair.push(request, self._seq[request.request_id])
@@ -158,11 +158,11 @@ class Scheduler:
         else:
             self.fair.remove(request)
         self.block_manager.free(request)
-        if request.adapter_id is not None and self.adapters is not None:
+        if request.adapter_key is not None and self.adapters is not None:
             if was_running:
-                self.adapters.release(request.adapter_id)
+                self.adapters.release(request.adapter_key)
             else:
-                self.adapters.unreserve(request.adapter_id)
+                self.adapters.unreserve(request.adapter_key)
         request.status = status
         del self._requests[request.request_id]
         del self._seq[request.request_id]
@@ -181,7 +181,7 @@ class Scheduler:
             request = self.running[index]
             num_needed = request.num_tokens - request.num_computed_tokens
             assert num_needed > 0, f"running request {request.request_id} has nothing to compute"
-            if not self._adapter_fits(request.adapter_id, step_adapters):
+            if not self._adapter_fits(request.adapter_key, step_adapters):
                 index += 1
                 continue
             while True:
@@ -205,8 +205,8 @@ class Scheduler:
                 request, request.num_computed_tokens, num_new
             )
             budget -= num_new
-            if request.adapter_id is not None:
-                step_adapters[request.adapter_id] += 1
+            if request.adapter_key is not None:
+                step_adapters[request.adapter_key] += 1
             index += 1
 
         # Charged once no running chunk can be taken back by the loop above.
@@ -249,7 +249,7 @@ class Scheduler:
         """Admit waiting requests in queue order; returns how many were skipped because
         their adapter is still loading. Victims of admission preemption go to `preempted`."""
         num_loading = 0
-        running_adapters = Counter(r.adapter_id for r in self.running if r.adapter_id is not None)
+        running_adapters = Counter(r.adapter_key for r in self.running if r.adapter_key is not None)
         held_blocks: Counter[str] = Counter()
         for running in self.running:
             held_blocks[running.tenant_id] += len(running.block_ids)
@@ -262,17 +262,17 @@ class Scheduler:
                 victim is request for victim in preempted
             ):
                 continue  # it just gave its blocks to a more urgent request
-            adapter_id = request.adapter_id
+            adapter_key = request.adapter_key
             if (
-                adapter_id is not None
+                adapter_key is not None
                 and self.adapters is not None
-                and not self.adapters.is_ready(adapter_id)
+                and not self.adapters.is_ready(adapter_key)
             ):
                 num_loading += 1
                 continue
             was_head, is_head = is_head, False
-            if adapter_id is not None and (
-                hold_adapters or not self._adapter_fits(adapter_id, running_adapters)
+            if adapter_key is not None and (
+                hold_adapters or not self._adapter_fits(adapter_key, running_adapters)
             ):
                 hold_adapters = hold_adapters or was_head
                 continue
@@ -291,27 +291,27 @@ class Scheduler:
                     # starve a large one for ever.
                     return num_loading
                 held_blocks[victim.tenant_id] -= len(victim.block_ids)
-                if victim.adapter_id is not None:
-                    running_adapters[victim.adapter_id] -= 1
-                    if not running_adapters[victim.adapter_id]:
-                        del running_adapters[victim.adapter_id]
+                if victim.adapter_key is not None:
+                    running_adapters[victim.adapter_key] -= 1
+                    if not running_adapters[victim.adapter_key]:
+                        del running_adapters[victim.adapter_key]
                 self._preempt(victim)
                 preempted.append(victim)
                 budget += _unschedule(victim, chunks, step_adapters)
                 self.fair.charge(victim, -charges.pop(victim.request_id, 0.0))
             self.fair.admit(request)
-            if adapter_id is not None and self.adapters is not None:
-                self.adapters.acquire(adapter_id)  # pins it in a device slot
-                self.adapters.unreserve(adapter_id)
+            if adapter_key is not None and self.adapters is not None:
+                self.adapters.acquire(adapter_key)  # pins it in a device slot
+                self.adapters.unreserve(adapter_key)
             if request.status == RequestStatus.WAITING:
                 request.num_cached_tokens = num_hit
             request.num_computed_tokens = num_hit
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             held_blocks[request.tenant_id] += len(request.block_ids)
-            if adapter_id is not None:
-                running_adapters[adapter_id] += 1
-                step_adapters[adapter_id] += 1
+            if adapter_key is not None:
+                running_adapters[adapter_key] += 1
+                step_adapters[adapter_key] += 1
             chunk = chunks[request.request_id] = ScheduledChunk(request, num_hit, num_new)
             charges[request.request_id] = self.fair.cost(chunk)
             self.fair.charge(request, charges[request.request_id])
@@ -337,8 +337,8 @@ class Scheduler:
 
         return gate
 
-    def _adapter_fits(self, adapter_id: str | None, adapters: Counter[str]) -> bool:
-        return adapter_id is None or adapter_id in adapters or len(adapters) < self.config.max_loras
+    def _adapter_fits(self, key: str | None, adapters: Counter[str]) -> bool:
+        return key is None or key in adapters or len(adapters) < self.config.max_loras
 
     def _eviction_rank(self, request: Request) -> tuple[int, float, float, int]:
         """Larger = preempted first."""
@@ -352,9 +352,9 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        if request.adapter_id is not None and self.adapters is not None:
-            self.adapters.reserve(request.adapter_id)
-            self.adapters.release(request.adapter_id)
+        if request.adapter_key is not None and self.adapters is not None:
+            self.adapters.reserve(request.adapter_key)
+            self.adapters.release(request.adapter_key)
         self.fair.requeue(request, self._seq[request.request_id])
 
 
@@ -365,10 +365,10 @@ def _unschedule(
     chunk = chunks.pop(request.request_id, None)
     if chunk is None:
         return 0
-    if request.adapter_id is not None:
-        step_adapters[request.adapter_id] -= 1
-        if not step_adapters[request.adapter_id]:
-            del step_adapters[request.adapter_id]
+    if request.adapter_key is not None:
+        step_adapters[request.adapter_key] -= 1
+        if not step_adapters[request.adapter_key]:
+            del step_adapters[request.adapter_key]
     return chunk.num_tokens
 
 

@@ -24,8 +24,8 @@ from admin_ui.sessions import (
     same_token,
 )
 from admin_ui.web import PREFIX, AdminUI, UIError, render, safe_next
-from app.api.errors import APIError
 from app.api.state import AppState, AppStateDep
+from app.core.errors import ServiceError
 
 router = APIRouter()
 
@@ -108,7 +108,7 @@ async def login(request: Request, ui: UIDep, state: AppStateDep) -> Response:
             return _refuse(request, ui, state, next_path, "That is not an admin key.")
         try:
             principal = state.directory.authenticate(f"Bearer {key}")
-        except APIError as exc:
+        except ServiceError as exc:
             return _refuse(request, ui, state, next_path, f"Login failed: {exc.message}")
         if not principal.is_admin:
             return _refuse(

@@ -15,9 +15,10 @@ from admin_ui.web import PREFIX, UIError, render
 from admin_ui.writes import by
 from app import tenants as crud
 from app.api.deps import SessionDep
-from app.api.errors import APIError
+from app.api.errors import service_error
 from app.billing import service as billing
 from app.billing.service import InvoiceView
+from app.core.errors import ServiceError
 from app.models import utcnow
 
 router = APIRouter()
@@ -69,10 +70,10 @@ def generate(request: Request, authed: AuthedDep, form: CheckedForm, session: Se
             request_id=context.request_id,
         )
         session.commit()
-    except APIError as exc:
+    except ServiceError as exc:
         session.rollback()
         return _list_page(request, authed, session, tenant_id=tenant_id, period=period,
-                          error=exc.message, status_code=exc.status_code)
+                          error=exc.message, status_code=service_error(exc).status_code)
     return RedirectResponse(f"{PREFIX}/invoices/{view.id}", status_code=303)
 
 

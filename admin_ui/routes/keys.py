@@ -16,9 +16,10 @@ from admin_ui.web import PREFIX, UIError, render
 from admin_ui.writes import by, commit
 from app import tenants as crud
 from app.api.deps import SessionDep
-from app.api.errors import APIError, validation_error
+from app.api.errors import service_error, validation_error
 from app.api.schemas.tenants import TenantKeyCreate
 from app.api.state import AppStateDep
+from app.core.errors import ServiceError
 from app.models import Scope
 
 router = APIRouter()
@@ -68,12 +69,12 @@ def create_key(
             expires_at=body.expires_at, by=by(request, authed),
         )
         commit(session, state)
-    except (ValidationError, APIError, ValueError) as exc:
+    except (ValidationError, ServiceError, ValueError) as exc:
         session.rollback()
         message = (validation_error(exc.errors()).message if isinstance(exc, ValidationError)
-                   else exc.message if isinstance(exc, APIError)
+                   else exc.message if isinstance(exc, ServiceError)
                    else f"Invalid value: {exc}.")
-        status = exc.status_code if isinstance(exc, APIError) else 400
+        status = service_error(exc).status_code if isinstance(exc, ServiceError) else 400
         return _keys_page(request, authed, session, tenant_id, error=message,
                           status_code=status)
     # NOTE: rendered, not redirected: the key exists only in this response.

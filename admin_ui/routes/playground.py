@@ -28,9 +28,10 @@ from app.api.deps import SessionDep
 from app.api.errors import APIError, validation_error
 from app.api.generation import serve_generation
 from app.api.protocol import ChatCompletionRequest, ChatCompletionResponse, ChatMessage
-from app.api.responses import chat_response, chat_stream
+from app.api.rendering import ChatRenderer
 from app.api.serving import plan_chat
 from app.api.state import AppState, AppStateDep
+from app.core.errors import ServiceError
 from app.core.principal import Principal
 
 router = APIRouter()
@@ -95,10 +96,11 @@ async def _answer(request: Request, state: AppState, principal: Principal, model
             max_tokens=max_tokens, temperature=0,
         )
         plan = await asyncio.to_thread(plan_chat, state, body, principal)  # off the loop
-        response = await serve_generation(request, state, plan, chat_response, chat_stream)
+        renderer = ChatRenderer(plan, state.engine.token_text)
+        response = await serve_generation(request, state, plan, renderer)
     except ValidationError as exc:
         return Answer(model, error=validation_error(exc.errors()).message)
-    except APIError as exc:
+    except (APIError, ServiceError) as exc:
         return Answer(model, error=exc.message)
     if response.status_code != 200:
         return Answer(model, error=f"The request ended with status {response.status_code}.")

@@ -20,10 +20,11 @@ from admin_ui.web import PREFIX, render
 from admin_ui.writes import by, commit
 from app import tenants as crud
 from app.api.deps import SessionDep
-from app.api.errors import APIError, validation_error
+from app.api.errors import service_error, validation_error
 from app.api.schemas.tenants import QuotasBody, TenantCreate
 from app.api.state import AppStateDep
 from app.billing import service as billing
+from app.core.errors import ServiceError
 from app.models import Isolation, Tenant, Tier
 
 router = APIRouter()
@@ -40,13 +41,13 @@ def plan_options(session: Session) -> list[tuple[str, str]]:
 def _problem(exc: Exception) -> str:
     if isinstance(exc, ValidationError):
         return validation_error(exc.errors()).message
-    if isinstance(exc, APIError):
+    if isinstance(exc, ServiceError):
         return exc.message
     return str(exc)
 
 
 def _status(exc: Exception) -> int:
-    return exc.status_code if isinstance(exc, APIError) else 400
+    return service_error(exc).status_code if isinstance(exc, ServiceError) else 400
 
 
 def _tenants_page(
@@ -89,7 +90,7 @@ def create_tenant(
             quotas=body.quotas.to_quotas(), plan=body.plan, by=by(request, authed),
         )
         commit(session, state)
-    except (forms.FormProblem, ValidationError, APIError) as exc:
+    except (forms.FormProblem, ValidationError, ServiceError) as exc:
         session.rollback()
         return _tenants_page(request, authed, session, values=values, error=_problem(exc),
                              status_code=_status(exc))
@@ -139,7 +140,7 @@ def update_tenant(
         )
         crud.update_tenant(session, tenant_id=tenant_id, patch=patch, by=by(request, authed))
         commit(session, state)
-    except (forms.FormProblem, ValidationError, APIError, ValueError) as exc:
+    except (forms.FormProblem, ValidationError, ServiceError, ValueError) as exc:
         session.rollback()
         row = crud.get_tenant(session, tenant_id=tenant_id, include_deleted=False)
         return _tenant_page(request, authed, session, row, error=_problem(exc),

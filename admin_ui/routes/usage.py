@@ -16,9 +16,10 @@ from admin_ui.deps import Authed, AuthedDep
 from admin_ui.web import PREFIX, render
 from app import tenants as crud
 from app.api.deps import SessionDep
-from app.api.errors import APIError
+from app.api.errors import APIError, service_error
 from app.api.routes.usage import admin_usage
 from app.api.schemas.usage import UsageReport
+from app.core.errors import ServiceError
 from app.metering.reports import GROUP_BY_VALUES, UsageRow
 from app.models import utcnow
 
@@ -112,6 +113,8 @@ def usage_page(
         report = result
     except APIError as exc:
         error = exc
+    except ServiceError as exc:
+        error = service_error(exc)
     return _render(request, authed, query, tenants=[(t.id, t.name) for t in tenants],
                    names=names, report=report, error=error)
 

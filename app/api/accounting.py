@@ -10,41 +10,20 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import TYPE_CHECKING
 
+from app.api.choices import ChoiceResult, usage_of
 from app.api.errors import SERVER_ERROR, APIError
-from app.api.protocol import PromptTokensDetails, UsageInfo
+from app.api.plan import GenerationPlan
+from app.api.protocol import UsageInfo
 from app.api.state import AppState
 from app.metering.recorder import UsageEvent
 from app.models import UsageStatus
 from app.quotas import Admission, QuotaExceeded, QuotaUnavailable
 
-if TYPE_CHECKING:
-    from app.api.generation import ChoiceResult
-    from app.api.serving import GenerationPlan
-
 logger = logging.getLogger(__name__)
 
 # Settlements still talking to Redis; kept so that they are not garbage-collected.
 _background: set[asyncio.Task[None]] = set()
-
-
-def usage_of(plan: GenerationPlan, results: Sequence[ChoiceResult]) -> UsageInfo:
-    # Each prompt is counted once however many choices share it, as OpenAI does;
-    # it counts as cached only as far as every one of its choices found it cached.
-    num_prompt = plan.num_prompt_tokens
-    num_completion = sum(r.num_output_tokens for r in results)
-    n = plan.choices_per_prompt
-    num_cached = sum(
-        min((r.num_cached_tokens for r in results[p * n:(p + 1) * n]), default=0)
-        for p in range(len(plan.prompts))
-    )
-    return UsageInfo(
-        prompt_tokens=num_prompt,
-        completion_tokens=num_completion,
-        total_tokens=num_prompt + num_completion,
-        prompt_tokens_details=PromptTokensDetails(cached_tokens=num_cached),
-    )
 
 
 def quota_error(exc: QuotaExceeded) -> APIError:

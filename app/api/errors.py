@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app.api.protocol import ErrorInfo, ErrorResponse
+from app.core.errors import ErrorKind, ServiceError, Unavailable
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +82,36 @@ def overloaded(message: str, *, retry_after_s: int) -> APIError:
 def server_error() -> APIError:
     return APIError(
         500, "The server had an error while processing your request.", type=SERVER_ERROR
+    )
+
+
+# The status of each kind of service refusal; their bodies are OpenAI's error bodies.
+SERVICE_STATUS: dict[ErrorKind, int] = {
+    ErrorKind.INVALID: 400,
+    ErrorKind.UNAUTHENTICATED: 401,
+    ErrorKind.FORBIDDEN: 403,
+    ErrorKind.NOT_FOUND: 404,
+    ErrorKind.CONFLICT: 409,
+    ErrorKind.TOO_LARGE: 413,
+    ErrorKind.UNPROCESSABLE: 422,
+    ErrorKind.UNAVAILABLE: 503,
+}
+
+
+def service_error(exc: ServiceError) -> APIError:
+    """A service's refusal as the HTTP error it answers."""
+    headers: dict[str, str] = {}
+    if exc.kind is ErrorKind.UNAUTHENTICATED:
+        headers["WWW-Authenticate"] = "Bearer"
+    if isinstance(exc, Unavailable):
+        headers["Retry-After"] = str(exc.retry_after_s)
+    return APIError(
+        SERVICE_STATUS[exc.kind],
+        exc.message,
+        type=SERVER_ERROR if exc.kind is ErrorKind.UNAVAILABLE else INVALID_REQUEST,
+        param=exc.param,
+        code=exc.code,
+        headers=headers,
     )
 
 
@@ -159,6 +190,10 @@ def install_exception_handlers(app: FastAPI) -> None:
         _observe_rejection(request, exc)
         return error_response(exc)
 
+    async def on_service_error(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, ServiceError)
+        return await on_api_error(request, service_error(exc))
+
     async def on_validation_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)
         return error_response(validation_error(exc.errors()))
@@ -168,6 +203,7 @@ def install_exception_handlers(app: FastAPI) -> None:
         return error_response(_http_exception_error(request, exc))
 
     app.add_exception_handler(APIError, on_api_error)
+    app.add_exception_handler(ServiceError, on_service_error)
     app.add_exception_handler(RequestValidationError, on_validation_error)
     app.add_exception_handler(StarletteHTTPException, on_http_exception)
 

@@ -77,10 +77,14 @@ def request_body(model: type[BaseModel], media_type: str = "application/json") -
 
 def event_stream(chunk: type[BaseModel], description: str) -> dict[str, Any]:
     """The `text/event-stream` content of a streamed response: the schema of one event,
-    whose `data` is a JSON `chunk`, or `[DONE]` for the last one."""
+    whose `data` is a JSON `chunk`, `[DONE]` for the last one, or an error body when the
+    request failed after the stream began (a timeout, a lost worker, a refusal by the
+    engine)."""
     data = {"anyOf": [
         {"type": "string", "contentMediaType": "application/json",
          "contentSchema": _refer(chunk, "serialization")},
+        {"type": "string", "contentMediaType": "application/json",
+         "contentSchema": {"$ref": REF_PREFIX + ERROR_SCHEMA}},
         {"const": "[DONE]"},
     ]}
     event = {"type": "object", "required": ["data"], "properties": {"data": data},

@@ -1,21 +1,31 @@
 """Wire models of the OpenAI-compatible API: requests, responses, stream chunks, errors.
 
-Range checks live in `app/api/serving.py`, not here, so that every bad value gets
-OpenAI's error body with the exact `param` and `code` instead of a generic
-validation message. They are written here too, as `documented(...)` JSON-schema
-keywords, for the OpenAPI document only.
+A field's range is written once, here, as `documented(...)` JSON-schema keywords: the
+OpenAPI document shows them and `app/api/serving.py` enforces them (`bounds_of`), so
+that every bad value gets OpenAI's error body with the exact `param` and `code` instead
+of a generic validation message.
 """
 
 from __future__ import annotations
 
+import functools
+import typing
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, GetJsonSchemaHandler, field_serializer
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    GetJsonSchemaHandler,
+    SerializerFunctionWrapHandler,
+    field_serializer,
+    model_serializer,
+)
 from pydantic.json_schema import JsonSchemaValue, WithJsonSchema
 from pydantic_core import CoreSchema
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "tool_calls"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,10 +33,10 @@ class Documented:
     """JSON-schema keywords for the OpenAPI document, and nowhere else: validation
     ignores them. Use as `Annotated[int, documented(minimum=0)]`.
 
-    NOTE: documentation, not constraints. A pydantic constraint would answer a bad value
-    with a generic validation message; serving.py answers it with OpenAI's 400 and the
-    exact `param` and `code` (tests/app/test_openapi_document.py holds the document to
-    what the server refuses).
+    NOTE: not pydantic constraints: those would answer a bad value with a generic
+    validation message; serving.py enforces the numeric ones (`bounds_of`) with OpenAI's
+    400 and the exact `param` and `code` (tests/app/test_openapi_document.py holds the
+    document to what the server refuses).
     """
 
     keywords: tuple[tuple[str, object], ...]
@@ -43,32 +53,73 @@ def documented(**keywords: object) -> Documented:
     return Documented(tuple(keywords.items()))
 
 
-# What serving.py enforces (MAX_CHOICES, MAX_*_LOGPROBS, the repetition penalty's range,
-# seeds that stay within int64 for each of the n choices).
+@dataclass(frozen=True, slots=True)
+class Bounds:
+    """A numeric field's accepted range, read from its `documented(...)` keywords."""
+
+    lo: float | None = None
+    hi: float | None = None
+    lo_exclusive: bool = False
+
+
+def _numeric_bounds(marks: typing.Iterable[object]) -> Bounds | None:
+    for mark in marks:
+        if not isinstance(mark, Documented):
+            continue
+        keywords = dict(mark.keywords)
+        lo, hi = keywords.get("minimum"), keywords.get("maximum")
+        exclusive = keywords.get("exclusiveMinimum")
+        if exclusive is not None:
+            lo = exclusive
+        if lo is None and hi is None:
+            continue
+        assert isinstance(lo, int | float | None) and isinstance(hi, int | float | None)
+        return Bounds(lo=lo, hi=hi, lo_exclusive=exclusive is not None)
+    return None
+
+
+@functools.cache
+def bounds_of(model: type[BaseModel]) -> dict[str, Bounds]:
+    """Every top-level numeric field of `model` with a documented range, in field order
+    (also when the field is optional: `Annotated[int, documented(...)] | None`)."""
+    found: dict[str, Bounds] = {}
+    for name, info in model.model_fields.items():
+        marks: list[object] = list(info.metadata)
+        for member in typing.get_args(info.annotation) or (info.annotation,):
+            if typing.get_origin(member) is Annotated:
+                marks.extend(member.__metadata__)
+        bounds = _numeric_bounds(marks)
+        if bounds is not None:
+            found[name] = bounds
+    return found
+
+
+# Seeds stay within int64 for each of the n choices (choice i runs with seed + i).
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
-_MAX_CHOICES = 16
+MAX_CHOICES = 16  # choices per request: prompts times `n`
 Temperature = Annotated[float, documented(minimum=0, maximum=2)]
 TopP = Annotated[float, documented(exclusiveMinimum=0, maximum=1)]
 TopK = Annotated[int, documented(minimum=-1)]  # -1 or 0: no top-k
-Choices = Annotated[int, documented(minimum=1, maximum=_MAX_CHOICES)]
+Choices = Annotated[int, documented(minimum=1, maximum=MAX_CHOICES)]
 Penalty = Annotated[float, documented(minimum=-2, maximum=2)]
-RepetitionPenalty = Annotated[float, documented(minimum=0.01, maximum=100)]
+# Beyond these a repetition penalty only pushes logits past float32's range.
+RepetitionPenalty = Annotated[float, documented(minimum=0.01, maximum=100.0)]
 Seed = Annotated[
-    int, documented(minimum=_INT64_MIN, maximum=_INT64_MAX - _MAX_CHOICES, format="int64")
+    int, documented(minimum=_INT64_MIN, maximum=_INT64_MAX - MAX_CHOICES, format="int64")
 ]
 Priority = Annotated[int, documented(minimum=0)]
 MaxTokens = Annotated[int, documented(minimum=1)]
 CompletionLogprobCount = Annotated[int, documented(minimum=0, maximum=5)]
 ChatTopLogprobs = Annotated[int, documented(minimum=0, maximum=20)]
 # A prompt: one non-empty text or token-id list, or a batch of either (at most
-# _MAX_CHOICES prompts times `n`).
+# MAX_CHOICES prompts times `n`).
 TokenIds = Annotated[list[Annotated[int, documented(minimum=0)]], documented(minItems=1)]
 PromptText = Annotated[str, documented(minLength=1)]
 Prompt = (
     PromptText
     | TokenIds
-    | Annotated[list[PromptText], documented(minItems=1, maxItems=_MAX_CHOICES)]
-    | Annotated[list[TokenIds], documented(minItems=1, maxItems=_MAX_CHOICES)]
+    | Annotated[list[PromptText], documented(minItems=1, maxItems=MAX_CHOICES)]
+    | Annotated[list[TokenIds], documented(minItems=1, maxItems=MAX_CHOICES)]
 )
 # Accepted only empty (or false): what the server refuses as not supported.
 Unsupported = documented(maxItems=0)
@@ -112,7 +163,30 @@ class GenerationFields(BaseModel):
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
 
-class CompletionRequest(GenerationFields):
+class StructuredOutputs(BaseModel):
+    """Extension (vLLM's name): constrain the output; at most one of these."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    json_: dict[str, Any] | bool | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+class ConstrainedFields(BaseModel):
+    """Output constraints both routes take (extensions; OpenAI's own is response_format)."""
+
+    structured_outputs: StructuredOutputs | None = None
+    # vLLM's older names for the same constraints.
+    guided_json: dict[str, Any] | bool | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+
+class CompletionRequest(ConstrainedFields, GenerationFields):
     # A string, a list of token ids, or a batch of either: each prompt its own choices.
     prompt: Prompt
     max_tokens: MaxTokens | None = None
@@ -136,23 +210,88 @@ class ContentPart(BaseModel):
     text: Annotated[str | None, WithJsonSchema({"type": "string"})] = None
 
 
+class ToolCallFunction(BaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    # An assistant turn that called tools; a tool turn answers one call by its id.
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
 
 
-class ChatCompletionRequest(GenerationFields):
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: Annotated[str, documented(minLength=1, maxLength=64)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; None: no arguments
+    strict: bool | None = None
+
+
+class ChatTool(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ToolChoiceFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: ToolChoiceFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: str = "response"
+    description: str | None = None
+    # NOTE: an alias: `schema` would shadow a BaseModel attribute.
+    json_schema: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """`text` (the default), any JSON object, or a document valid against a JSON schema."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class ChatCompletionRequest(ConstrainedFields, GenerationFields):
     messages: Annotated[list[ChatMessage], documented(minItems=1)]
     max_tokens: MaxTokens | None = None
     max_completion_tokens: MaxTokens | None = None
     logprobs: bool | None = False
     top_logprobs: ChatTopLogprobs | None = None
-    tools: Annotated[list[Any], Unsupported] | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     functions: Annotated[list[Any], Unsupported] | None = None
-    response_format: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
 
 
 # --------------------------------------------------------------- responses
@@ -213,6 +352,15 @@ class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     refusal: str | None = None
+    # Only present when the model called tools, as OpenAI sends it.
+    tool_calls: list[ToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_absent_calls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        if data.get("tool_calls") is None:
+            data.pop("tool_calls", None)
+        return data
 
 
 class ChatChoice(BaseModel):
@@ -232,9 +380,24 @@ class ChatCompletionResponse(BaseModel):
     system_fingerprint: str | None = None
 
 
+class DeltaFunction(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    """One piece of a streamed tool call: the first names it, the rest add arguments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunction
+
+
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):

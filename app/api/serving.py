@@ -2,117 +2,40 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
 import uuid
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
+from app.api.engine_errors import rejected
 from app.api.errors import APIError, invalid_request, model_not_found, overloaded, validation_error
-from app.api.protocol import ChatCompletionRequest, CompletionRequest, GenerationFields
+from app.api.plan import GenerationPlan, ModelTarget
+from app.api.protocol import (
+    MAX_CHOICES,
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerationFields,
+    bounds_of,
+)
 from app.api.state import AppState
-from app.core.principal import AdapterRef, Principal
+from app.core.principal import REGISTRY_ENGINE_PREFIX, Principal
 from engine.client import EngineClient
-from engine.request import SamplingParams, TenantContext
-
-if TYPE_CHECKING:
-    from app.api.accounting import RequestAccount
+from engine.errors import RequestRejected
+from engine.limits import ContextLimits, resolve_max_tokens
+from engine.request import SamplingParams
 
 BodyT = TypeVar("BodyT", bound=BaseModel)
 
-MAX_CHOICES = 16
-MAX_COMPLETION_LOGPROBS = 5
-MAX_CHAT_TOP_LOGPROBS = 20
-# Beyond these a repetition penalty only pushes logits past float32's range.
-MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
-_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
-
-
-@dataclass(slots=True)
-class GenerationPlan:
-    """One HTTP generation request, ready for the engine (each choice one engine request)."""
-
-    response_id: str  # "cmpl-..." / "chatcmpl-..."; choice i runs as "<response_id>-<i>"
-    model: str  # as the client named it; echoed in every response
-    principal: Principal
-    target: ModelTarget
-    prompts: list[list[int]]  # token ids; a completions request may batch several
-    # One per choice, prompt-major as OpenAI orders them: prompt p's i-th is p * n + i.
-    sampling: list[SamplingParams]
-    priority: int  # lower = served first; requests can only raise it
-    stream: bool
-    include_usage: bool
-    created: int  # unix seconds, the `created` of every response object
-    arrival: float  # time.monotonic() when the request arrived
-    # Quota admission, settlement and metering; set once the request is admitted.
-    account: RequestAccount | None = None
-    # The share of the KV cache one tenant may hold while others wait (Settings).
-    kv_share: float | None = None
-    # With `echo`: each prompt's text, which every choice of that prompt starts with.
-    echo_texts: list[str] | None = None
-
-    @property
-    def num_choices(self) -> int:
-        return len(self.sampling)
-
-    @property
-    def choices_per_prompt(self) -> int:
-        return len(self.sampling) // len(self.prompts)
-
-    def prompt_index(self, choice: int) -> int:
-        return choice // self.choices_per_prompt
-
-    def prompt_of(self, choice: int) -> list[int]:
-        return self.prompts[self.prompt_index(choice)]
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        """Each prompt counted once, however many choices share it, as OpenAI does."""
-        return sum(len(p) for p in self.prompts)
-
-    @property
-    def adapter_id(self) -> str | None:
-        """The engine's name of the adapter; None: the base model."""
-        return self.target.engine_adapter
-
-    @property
-    def adapter(self) -> AdapterRef | None:
-        return self.target.ref
-
-    @property
-    def metrics_model(self) -> str:
-        return self.target.label
-
-    @property
-    def reserved_tokens(self) -> int:
-        """What the request may use at most: its prompts and every choice's max_tokens."""
-        return self.num_prompt_tokens + sum(s.max_tokens for s in self.sampling)
-
-    @property
-    def engine_tenant(self) -> TenantContext | None:
-        """What the engine's scheduler needs of the tenant: fairness key and caps (it
-        enforces the per-request limits again, in case a caller skipped them)."""
-        tenant = self.principal.tenant
-        if tenant is None:
-            return None
-        return TenantContext(
-            tenant_id=tenant.id,
-            max_kv_fraction=self.kv_share,
-            max_tokens=tenant.quotas.max_tokens,
-            max_context_tokens=tenant.quotas.max_context_tokens,
-        )
-
-    @property
-    def salt(self) -> str | None:
-        """Prefix-cache salt: no tenant ever reuses another tenant's cached KV."""
-        return self.principal.tenant_id
-
-    def engine_request_id(self, index: int) -> str:
-        return f"{self.response_id}-{index}"
+# The request fields that pass to the engine's SamplingParams under their own name (the
+# others are derived below: max_tokens, top_k, seed, stop, ignore_eos, logprobs).
+_SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams)) - {
+    "max_tokens", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs"
+}
 
 
 async def read_body(request: Request, model: type[BodyT]) -> BodyT:
@@ -168,19 +91,6 @@ def check_admission(state: AppState, num_requests: int) -> None:
             "The server is overloaded with other requests; retry after a short wait.",
             retry_after_s=retry_after_s,
         )
-
-
-# Engine names of registry adapters (AdapterRef.engine_name); others are operator-preloaded.
-REGISTRY_ENGINE_PREFIX = "av/"
-
-
-@dataclass(frozen=True, slots=True)
-class ModelTarget:
-    """What a `model` field resolved to for one caller."""
-
-    engine_adapter: str | None  # the engine's adapter name; None: the base model
-    ref: AdapterRef | None  # a registry adapter version; None: base model or preloaded
-    label: str  # for metrics: the base model id or the adapter's name
 
 
 def resolve_model(state: AppState, principal: Principal, model: str) -> ModelTarget:
@@ -239,31 +149,22 @@ def _refuse_unsupported(param: str, message: str) -> APIError:
     return invalid_request(message, param=param, code="unsupported_parameter")
 
 
-def _check_common(body: GenerationFields, max_stop: int) -> list[str]:
-    """Range checks shared by both routes; returns the stop strings."""
+def _check_bounds(body: GenerationFields, *, skip: frozenset[str] = frozenset()) -> None:
+    """Every numeric field within the range its protocol model documents."""
+    for name, bounds in bounds_of(type(body)).items():
+        value = getattr(body, name)
+        if name in skip or value is None or isinstance(value, bool):
+            continue
+        _check_range(name, value, lo=bounds.lo, hi=bounds.hi, lo_exclusive=bounds.lo_exclusive)
+
+
+def _check_common(
+    body: GenerationFields, max_stop: int, *, skip: frozenset[str] = frozenset()
+) -> list[str]:
+    """Checks shared by both routes; returns the stop strings."""
     if body.logit_bias:
         raise _refuse_unsupported("logit_bias", "'logit_bias' is not supported.")
-    if body.temperature is not None:
-        _check_range("temperature", body.temperature, lo=0, hi=2)
-    if body.top_p is not None:
-        _check_range("top_p", body.top_p, lo=0, hi=1, lo_exclusive=True)
-    if body.top_k is not None:
-        _check_range("top_k", body.top_k, lo=-1)
-    if body.n is not None:
-        _check_range("n", body.n, lo=1, hi=MAX_CHOICES)
-    if body.presence_penalty is not None:
-        _check_range("presence_penalty", body.presence_penalty, lo=-2, hi=2)
-    if body.frequency_penalty is not None:
-        _check_range("frequency_penalty", body.frequency_penalty, lo=-2, hi=2)
-    if body.repetition_penalty is not None:
-        _check_range(
-            "repetition_penalty", body.repetition_penalty,
-            lo=MIN_REPETITION_PENALTY, hi=MAX_REPETITION_PENALTY,
-        )
-    if body.priority is not None:
-        _check_range("priority", body.priority, lo=0)
-    if body.seed is not None:
-        _check_range("seed", body.seed, lo=_INT64_MIN, hi=_INT64_MAX - MAX_CHOICES)
+    _check_bounds(body, skip=skip)
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if len(stop) > max_stop:
         raise invalid_request(
@@ -274,53 +175,25 @@ def _check_common(body: GenerationFields, max_stop: int) -> list[str]:
     return [s for s in stop if s]
 
 
-def _check_max_tokens(name: str, value: int | None) -> None:
-    if value is not None:
-        _check_range(name, value, lo=1)
-
-
 def _max_tokens_for(
     state: AppState, principal: Principal, num_prompt_tokens: int, requested: int | None, *,
     prompt_param: str, max_tokens_param: str,
 ) -> int:
     """The max_tokens a request runs with: within the model's context and the tenant's
-    limits. An explicit value that does not fit is refused; an omitted one defaults to the
-    tenant's max_tokens (or all the context left) and shrinks to fit."""
+    limits (engine/limits.py, the policy the engine enforces again)."""
     quotas = None if principal.tenant is None else principal.tenant.quotas
-    limit = None if quotas is None else quotas.max_tokens
-    if requested is not None and limit is not None and requested > limit:
-        raise invalid_request(
-            f"'{max_tokens_param}' is {requested}, above this account's limit of {limit} "
-            "tokens per request. Lower it, or ask for a higher limit.",
-            param=max_tokens_param,
-            code="max_tokens_exceeded",
-        )
-    max_tokens = _check_context(
-        state.engine, num_prompt_tokens, requested,
-        prompt_param=prompt_param, max_tokens_param=max_tokens_param,
+    limits = ContextLimits(
+        max_model_len=state.engine.max_model_len,
+        tenant_max_tokens=None if quotas is None else quotas.max_tokens,
+        tenant_max_context=None if quotas is None else quotas.max_context_tokens,
     )
-    if requested is None and limit is not None:
-        max_tokens = min(max_tokens, limit)
-    context = None if quotas is None else quotas.max_context_tokens
-    if context is None or num_prompt_tokens + max_tokens <= context:
-        return max_tokens
-    if num_prompt_tokens >= context:
-        raise invalid_request(
-            f"This account's context limit is {context} tokens, and the prompt alone has "
-            f"{num_prompt_tokens} tokens. Shorten the prompt.",
-            param=prompt_param,
-            code="context_length_exceeded",
+    try:
+        return resolve_max_tokens(
+            limits, num_prompt_tokens, requested,
+            prompt_param=prompt_param, max_tokens_param=max_tokens_param,
         )
-    if requested is None:
-        return context - num_prompt_tokens
-    raise invalid_request(
-        f"This account's context limit is {context} tokens, but the prompt has "
-        f"{num_prompt_tokens} tokens and '{max_tokens_param}' asks for {requested} more "
-        f"({num_prompt_tokens + requested} in total). Shorten the prompt or lower "
-        f"'{max_tokens_param}'.",
-        param=max_tokens_param,
-        code="context_length_exceeded",
-    )
+    except RequestRejected as exc:
+        raise rejected(exc, model=None) from exc
 
 
 def _priority(principal: Principal, requested: int | None) -> int:
@@ -330,65 +203,24 @@ def _priority(principal: Principal, requested: int | None) -> int:
     return max(base, requested or 0)
 
 
-def _check_context(
-    engine: EngineClient, num_prompt_tokens: int, max_tokens: int | None, *, prompt_param: str,
-    max_tokens_param: str,
-) -> int:
-    """The max_tokens the engine gets: as asked, or all the context the prompt leaves.
-
-    NOTE: the messages begin as OpenAI's do ("This model's maximum context length is N
-    tokens."): clients such as litellm match that phrase to fall back to a model with a
-    longer context.
-    """
-    context = engine.max_model_len
-    what = "messages" if prompt_param == "messages" else "prompt"
-    if num_prompt_tokens >= context:
-        raise invalid_request(
-            f"This model's maximum context length is {context} tokens. However, your {what} "
-            f"resulted in {num_prompt_tokens} tokens, leaving no room for a completion. "
-            f"Please reduce the length of the {what}.",
-            param=prompt_param,
-            code="context_length_exceeded",
-        )
-    if max_tokens is None:
-        return context - num_prompt_tokens
-    if num_prompt_tokens + max_tokens > context:
-        raise invalid_request(
-            f"This model's maximum context length is {context} tokens. However, you "
-            f"requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the "
-            f"{what}, {max_tokens} in the completion). Please reduce the length of the "
-            f"{what} or '{max_tokens_param}'.",
-            param=max_tokens_param,
-            code="context_length_exceeded",
-        )
-    return max_tokens
-
-
 def _sampling_per_choice(
     body: GenerationFields, *, max_tokens: int, stop: list[str], logprobs: int | None
 ) -> list[SamplingParams]:
-    top_k = body.top_k if body.top_k is not None and body.top_k > 0 else 0
-    params = []
-    for i in range(body.n or 1):
-        params.append(
-            SamplingParams(
-                max_tokens=max_tokens,
-                temperature=1.0 if body.temperature is None else body.temperature,
-                top_p=1.0 if body.top_p is None else body.top_p,
-                top_k=top_k,
-                presence_penalty=body.presence_penalty or 0.0,
-                frequency_penalty=body.frequency_penalty or 0.0,
-                repetition_penalty=(
-                    1.0 if body.repetition_penalty is None else body.repetition_penalty
-                ),
-                # Distinct seeds so that n seeded choices differ yet stay reproducible.
-                seed=None if body.seed is None else body.seed + i,
-                stop=list(stop),
-                ignore_eos=bool(body.ignore_eos),
-                logprobs=logprobs,
-            )
+    given = {name: getattr(body, name) for name in _SAMPLING_FIELDS}
+    same = {name: value for name, value in given.items() if value is not None}
+    return [
+        SamplingParams(
+            max_tokens=max_tokens,
+            top_k=body.top_k if body.top_k is not None and body.top_k > 0 else 0,
+            # Distinct seeds so that n seeded choices differ yet stay reproducible.
+            seed=None if body.seed is None else body.seed + i,
+            stop=list(stop),
+            ignore_eos=bool(body.ignore_eos),
+            logprobs=logprobs,
+            **same,
         )
-    return params
+        for i in range(body.n or 1)
+    ]
 
 
 def _prompt_batch(
@@ -449,9 +281,6 @@ def plan_completion(
     if body.best_of is not None and body.best_of != (body.n or 1):
         raise _refuse_unsupported("best_of", "'best_of' other than 'n' is not supported.")
     stop = _check_common(body, state.settings.max_stop_sequences)
-    _check_max_tokens("max_tokens", body.max_tokens)
-    if body.logprobs is not None:
-        _check_range("logprobs", body.logprobs, lo=0, hi=MAX_COMPLETION_LOGPROBS)
     target = resolve_model(state, principal, body.model)
     batch = _prompt_batch(body.prompt)
     prompts = _completion_prompts(state.engine, batch, body.n or 1)
@@ -470,15 +299,15 @@ def plan_completion(
         model=body.model,
         principal=principal,
         target=target,
-        prompts=prompts,
-        sampling=sampling,
+        prompts=tuple(tuple(p) for p in prompts),
+        sampling=tuple(sampling),
         priority=_priority(principal, body.priority),
         stream=bool(body.stream),
         include_usage=body.include_usage,
         created=int(time.time()),
         arrival=arrival,
         kv_share=state.settings.tenant_kv_share,
-        echo_texts=echo_texts,
+        echo_texts=None if echo_texts is None else tuple(echo_texts),
     )
 
 
@@ -505,30 +334,34 @@ def _chat_messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
 
 
 def plan_chat(
-    state: AppState, body: ChatCompletionRequest, principal: Principal
+    state: AppState, body: ChatCompletionRequest, principal: Principal, *,
+    response_id: str | None = None,
 ) -> GenerationPlan:
+    """`response_id`: the id of the response object (default "chatcmpl-<hex>")."""
     arrival = time.monotonic()
     if body.tools or body.functions:
         param = "tools" if body.tools else "functions"
         raise _refuse_unsupported(param, f"'{param}' (function calling) is not supported.")
-    if body.response_format and body.response_format.get("type", "text") != "text":
+    if body.response_format and body.response_format.type != "text":
         raise _refuse_unsupported(
             "response_format", "Only the 'text' response format is supported."
         )
-    stop = _check_common(body, state.settings.max_stop_sequences)
     # max_completion_tokens is the newer name; it wins when both are sent.
     requested_max_tokens: int | None
     if body.max_completion_tokens is not None:
         max_tokens_param, requested_max_tokens = "max_completion_tokens", body.max_completion_tokens
     else:
         max_tokens_param, requested_max_tokens = "max_tokens", body.max_tokens
-    _check_max_tokens(max_tokens_param, requested_max_tokens)
-    if body.top_logprobs is not None:
-        if not body.logprobs:
-            raise invalid_request(
-                "'top_logprobs' requires 'logprobs' to be true.", param="top_logprobs"
-            )
-        _check_range("top_logprobs", body.top_logprobs, lo=0, hi=MAX_CHAT_TOP_LOGPROBS)
+    # The range of top_logprobs matters only once logprobs are on; the max_tokens that
+    # lost to max_completion_tokens is not used at all.
+    skip = {"top_logprobs"} if not body.logprobs else set()
+    if body.max_completion_tokens is not None:
+        skip.add("max_tokens")
+    stop = _check_common(body, state.settings.max_stop_sequences, skip=frozenset(skip))
+    if body.top_logprobs is not None and not body.logprobs:
+        raise invalid_request(
+            "'top_logprobs' requires 'logprobs' to be true.", param="top_logprobs"
+        )
     messages = _chat_messages(body)
     target = resolve_model(state, principal, body.model)
     try:
@@ -542,12 +375,14 @@ def plan_chat(
     )
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     return GenerationPlan(
-        response_id=new_response_id("chatcmpl"),
+        response_id=response_id or new_response_id("chatcmpl"),
         model=body.model,
         principal=principal,
         target=target,
-        prompts=[prompt_token_ids],
-        sampling=_sampling_per_choice(body, max_tokens=max_tokens, stop=stop, logprobs=logprobs),
+        prompts=(tuple(prompt_token_ids),),
+        sampling=tuple(
+            _sampling_per_choice(body, max_tokens=max_tokens, stop=stop, logprobs=logprobs)
+        ),
         priority=_priority(principal, body.priority),
         stream=bool(body.stream),
         include_usage=body.include_usage,

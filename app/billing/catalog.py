@@ -11,10 +11,10 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from app.api.errors import APIError, invalid_request
 from app.audit import record_audit
 from app.billing import records
 from app.billing.plans import PricePlan, TokenPrices, VolumeTier, minor_units
+from app.core.errors import Conflict, InvalidInput
 from app.models import PlanRecord, Tenant, new_id
 from app.tenants import conflict
 
@@ -90,14 +90,14 @@ def get_plan(session: Session, name: str) -> PlanView | None:
     return None if row is None else plan_view(row)
 
 
-def _plan_taken(name: str) -> APIError:
+def _plan_taken(name: str) -> Conflict:
     return conflict(f"A price plan named '{name}' already exists.", param="name")
 
 
 def create_plan(
     session: Session, body: PlanCreate, *, actor: str, request_id: str | None
 ) -> PlanView:
-    """409 on a duplicate name; the caller commits."""
+    """Conflict on a duplicate name; the caller commits."""
     if records.plan_record(session, body.name) is not None:
         raise _plan_taken(body.name)
     money = body.model_dump(mode="json")
@@ -129,9 +129,9 @@ def create_plan(
 
 
 def require_plan(session: Session, name: str | None) -> None:
-    """400 unless ``name`` (a tenant's `plan`) is None or names an existing plan."""
+    """InvalidInput unless ``name`` (a tenant's `plan`) is None or names an existing plan."""
     if name is not None and records.plan_record(session, name) is None:
-        raise invalid_request(
+        raise InvalidInput(
             f"No price plan named '{name}'. Create it with POST /admin/plans first, "
             "or send null for no plan.",
             param="plan",
@@ -140,14 +140,14 @@ def require_plan(session: Session, name: str | None) -> None:
 
 def tenant_plan(session: Session, tenant: Tenant) -> PricePlan:
     if tenant.plan is None:
-        raise invalid_request(
+        raise InvalidInput(
             f"Tenant '{tenant.id}' has no price plan, so it cannot be invoiced. Give it one "
             f"with PATCH /admin/tenants/{tenant.id} {{\"plan\": \"<plan name>\"}}.",
             param="tenant_id",
         )
     row = records.plan_record(session, tenant.plan)
     if row is None:
-        raise invalid_request(
+        raise InvalidInput(
             f"Tenant '{tenant.id}' names the price plan '{tenant.plan}', which does not "
             "exist. Create it with POST /admin/plans or assign another plan.",
             param="tenant_id",

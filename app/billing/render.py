@@ -6,12 +6,9 @@ import csv
 import io
 from datetime import UTC, datetime
 from html import escape
-from typing import TYPE_CHECKING
 
 from app.billing.invoice import InvoiceLine
-
-if TYPE_CHECKING:
-    from app.billing.service import InvoiceView
+from app.billing.views import InvoiceView
 
 CSV_COLUMNS = (
     "kind", "description", "adapter_id", "incurred_in", "tokens", "quantity", "unit_price",

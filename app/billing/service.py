@@ -26,16 +26,12 @@ Rules (the pure core in ``app.billing.invoice`` does the arithmetic):
 
 from __future__ import annotations
 
-from datetime import datetime
-from decimal import Decimal
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import BaseModel
 from sqlalchemy import CursorResult, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from app.api.errors import invalid_request
 from app.audit import record_audit
 from app.billing import records, render
 from app.billing.catalog import (
@@ -47,9 +43,11 @@ from app.billing.catalog import (
     require_plan,
     tenant_plan,
 )
-from app.billing.invoice import BillableUsage, Invoice, InvoiceLine, build_invoice
+from app.billing.invoice import BillableUsage, Invoice, build_invoice
 from app.billing.periods import check_period
 from app.billing.plans import PricePlan
+from app.billing.views import InvoiceView, invoice_view
+from app.core.errors import InvalidInput
 from app.models import InvoiceRecord, new_id, utcnow
 from app.tenants import get_tenant, not_found
 
@@ -70,56 +68,14 @@ __all__ = [
     "require_plan",
 ]
 
-class InvoiceView(BaseModel):
-    """An invoice as the API shows it; Decimals serialize as decimal strings."""
-
-    object: Literal["invoice"] = "invoice"
-    id: str
-    tenant_id: str
-    period: str  # "YYYY-MM"
-    plan: str
-    currency: str
-    lines: list[InvoiceLine]
-    subtotal: Decimal
-    minimum_top_up: Decimal
-    adjustments: Decimal
-    total: Decimal
-    status: Literal["draft", "final"]
-    created_at: int  # unix seconds
-    finalized_at: int | None
-
-
-def _unix(value: datetime | None) -> int | None:
-    return None if value is None else int(value.timestamp())
-
-
 # ----------------------------------------------------------------------------- invoices
-
-
-def invoice_view(row: InvoiceRecord) -> InvoiceView:
-    invoice = Invoice.model_validate(row.document)
-    return InvoiceView(
-        id=row.id,
-        tenant_id=row.tenant_id,
-        period=row.period,
-        plan=invoice.plan,
-        currency=invoice.currency,
-        lines=list(invoice.lines),
-        subtotal=invoice.subtotal,
-        minimum_top_up=invoice.minimum_top_up,
-        adjustments=invoice.adjustments,
-        total=invoice.total,
-        status="final" if row.status == "final" else "draft",
-        created_at=int(row.created_at.timestamp()),
-        finalized_at=_unix(row.finalized_at),
-    )
 
 
 def _parse_period(period: str) -> str:
     try:
         return check_period(period)
     except ValueError:
-        raise invalid_request(
+        raise InvalidInput(
             f"Invalid value for 'period': expected a month as 'YYYY-MM' (2026-03), "
             f"got '{period}'.",
             param="period",

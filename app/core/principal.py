@@ -7,6 +7,10 @@ from dataclasses import dataclass, field
 
 from app.models import Isolation, Scope, Tier
 
+# The engine names of registry adapter versions start with this; other engine adapters are
+# the operator's preloaded ones (`--lora`), whose names must not.
+REGISTRY_ENGINE_PREFIX = "av/"
+
 
 @dataclass(frozen=True, slots=True)
 class Quotas:
@@ -86,4 +90,4 @@ class AdapterRef:
     @property
     def engine_name(self) -> str:
         """The name the engine serves this version under: unique across tenants."""
-        return f"av/{self.version_id}"
+        return f"{REGISTRY_ENGINE_PREFIX}{self.version_id}"

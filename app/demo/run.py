@@ -14,7 +14,6 @@ import click
 import uvicorn
 
 from app.api.state import AppState
-from app.cli import DrainingServer
 from app.core.config import Settings
 from app.demo import printout
 from app.demo.cache import TrainedAdapter, ensure_trained
@@ -22,6 +21,7 @@ from app.demo.catalog import DEMO_ADAPTERS
 from app.demo.seed import KEYS_FILE, AdminKey, DemoError, ensure_admin_key, seed_demo
 from app.demo.train import TrainingError
 from app.main import create_app
+from app.server_options import DrainingServer
 from engine.config import EngineConfig
 from engine.model_loader import resolve_model
 

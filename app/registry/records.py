@@ -10,8 +10,8 @@ from datetime import datetime
 from sqlalchemy import ColumnElement, func, or_, select
 from sqlalchemy.orm import Session, selectinload
 
-from app.api.errors import APIError
 from app.audit import AuditContext, audit
+from app.core.errors import Forbidden
 from app.models import Adapter, AdapterStatus, AdapterVersion, Tenant, new_id, utcnow
 from app.registry.archive import UnpackedAdapter
 from app.registry.views import (
@@ -38,7 +38,7 @@ def live_tenant(s: Session, tenant_id: str, *, lock: bool = False) -> Tenant:
 def check_quota(s: Session, tenant: Tenant, name: str) -> None:
     """max_adapters counts the tenant's names with a validating or ready version: a new
     version of one of them is free, a name whose uploads all failed does not count.
-    Over the limit: 403 `max_adapters_exceeded`."""
+    Over the limit: Forbidden `max_adapters_exceeded`."""
     limit = tenant.max_adapters
     if limit is None:
         return
@@ -50,8 +50,7 @@ def check_quota(s: Session, tenant: Tenant, name: str) -> None:
     ))
     if name in names or len(names) < limit:
         return
-    raise APIError(
-        403,
+    raise Forbidden(
         f"This tenant has {len(names)} adapters and its limit (max_adapters) is {limit}: "
         "delete one, or upload a new version of an existing name.",
         code="max_adapters_exceeded",

@@ -23,9 +23,16 @@ from typing import Any
 from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
-from app.api.errors import APIError, overloaded
 from app.audit import AuditContext
 from app.core.config import Settings
+from app.core.errors import (
+    Conflict,
+    InvalidInput,
+    ServiceError,
+    TooLarge,
+    Unavailable,
+    Unprocessable,
+)
 from app.core.principal import AdapterRef
 from app.db import session_scope
 from app.models import AdapterStatus
@@ -118,11 +125,11 @@ class AdapterRegistry:
         enforce_quota: bool = False,
     ) -> VersionView:
         """Store, record and validate an uploaded archive as the next version of `name`
-        (tenant_id None: shared). The caller owns (and removes) `archive`. APIError:
-        400/413 refused archive (no rows), 404 unknown tenant, 403 max_adapters_exceeded,
-        422 invalid_adapter (the version is kept as `failed` with the reason), 503
-        overloaded with Retry-After when no engine can validate it now (no rows, no
-        files: the upload can be retried as is)."""
+        (tenant_id None: shared). The caller owns (and removes) `archive`. Refusals:
+        InvalidInput or TooLarge for a refused archive (no rows), NotFound for an unknown
+        tenant, Forbidden `max_adapters_exceeded`, Unprocessable `invalid_adapter` (the
+        version is kept as `failed` with the reason), Unavailable `overloaded` when no
+        engine can validate it now (no rows, no files: the upload can be retried as is)."""
         check_adapter_name(name, base_model_id=self.engine.model_id)
         if tenant_id is not None:
             # Refused before unpacking: what the insert would refuse anyway.
@@ -145,7 +152,8 @@ class AdapterRegistry:
                 unpack_adapter, archive, self.store.tmp, max_unpacked_bytes=self.unpacked_limit()
             )
         except ArchiveError as e:
-            raise APIError(e.status_code, e.message, code=e.code, param="file") from None
+            refusal = TooLarge if e.status_code == 413 else InvalidInput
+            raise refusal(e.message, code=e.code, param="file") from None
         path = self.store.path(unpacked.sha256)
         try:
             version = await asyncio.to_thread(
@@ -158,13 +166,13 @@ class AdapterRegistry:
                 reason = _public_reason(str(e), path)
                 await self._finish(version.id, AdapterStatus.FAILED, {"error": reason})
                 await self._collect([unpacked.sha256])
-                raise APIError(422, reason, param="file", code="invalid_adapter") from None
+                raise Unprocessable(reason, param="file", code="invalid_adapter") from None
             except EngineUnavailable as e:
                 # NOTE: undone rather than kept `validating` for a worker to come: what a
                 # version means is settled when its upload answers.
                 log.warning("upload of %r withdrawn: %s", name, e)
                 await self._withdraw(version, by)
-                raise overloaded(
+                raise Unavailable(
                     "No engine worker can validate the adapter right now; retry the upload "
                     "shortly.",
                     retry_after_s=self.settings.retry_after_s,
@@ -195,11 +203,9 @@ class AdapterRegistry:
             raise
         if done is None:
             await self.engine.remove_adapter(version.engine_name)
-            raise APIError(
-                409,
+            raise Conflict(
                 f"The adapter '{name}' was deleted while its version {version.version} was "
-                "being validated.",
-                code="conflict",
+                "being validated."
             )
         return done
 
@@ -330,7 +336,7 @@ class AdapterRegistry:
         if task.cancelled():
             return
         exc = task.exception()
-        if exc is not None and not isinstance(exc, APIError):
+        if exc is not None and not isinstance(exc, ServiceError):
             log.error("adapter registry task failed", exc_info=exc)
 
 

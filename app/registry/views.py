@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from app.api.errors import APIError
+from app.core.errors import InvalidInput, NotFound
+from app.core.principal import REGISTRY_ENGINE_PREFIX
 from app.models import Adapter, AdapterStatus, AdapterVersion
 
 # What tenants call an adapter in `model` (before an optional "@<version>").
@@ -35,7 +36,7 @@ class VersionView:
     @property
     def engine_name(self) -> str:
         """The name the engine serves this version under (AdapterRef.engine_name)."""
-        return f"av/{self.id}"
+        return f"{REGISTRY_ENGINE_PREFIX}{self.id}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,26 +95,24 @@ def adapter_view(adapter: Adapter) -> AdapterView:
 
 def check_adapter_name(name: str, *, base_model_id: str) -> None:
     if not ADAPTER_NAME.fullmatch(name):
-        raise APIError(
-            400,
+        raise InvalidInput(
             f"Invalid adapter name {name!r}: 1-64 characters among letters, digits and '._-', "
             "starting with a letter or digit ('@' separates a version, '/' is not allowed).",
             param="name",
             code="invalid_adapter_name",
         )
     if name == base_model_id:
-        raise APIError(
-            400,
+        raise InvalidInput(
             f"The adapter name {name!r} is the base model's name.",
             param="name",
             code="invalid_adapter_name",
         )
 
 
-def adapter_not_found(adapter_id: str) -> APIError:
+def adapter_not_found(adapter_id: str) -> NotFound:
     # NOTE: the same answer for another tenant's adapter: never reveal that it exists.
-    return APIError(404, f"No adapter with id '{adapter_id}'.", code="not_found")
+    return NotFound(f"No adapter with id '{adapter_id}'.")
 
 
-def tenant_not_found(tenant_id: str) -> APIError:
-    return APIError(404, f"No tenant with id '{tenant_id}'.", param="tenant_id", code="not_found")
+def tenant_not_found(tenant_id: str) -> NotFound:
+    return NotFound(f"No tenant with id '{tenant_id}'.", param="tenant_id")

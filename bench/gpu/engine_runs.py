@@ -15,7 +15,7 @@ import torch
 from bench.workload import BenchRequest
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore
-from engine.request import Request, SamplingParams
+from engine.request import EngineRequest, SamplingParams
 
 
 def make_core(
@@ -80,22 +80,24 @@ class EngineRun:
 
 def engine_requests(
     requests: Sequence[BenchRequest], tag: str, *, ignore_eos: bool
-) -> list[Request]:
+) -> list[EngineRequest]:
     """Greedy engine requests; the tag is each one's prefix-cache salt, so that runs of
     the same prompts never reuse each other's KV."""
     return [
-        Request(
+        EngineRequest(
             request_id=f"{tag}-{i}",
-            prompt_token_ids=list(r.prompt_token_ids),
+            prompt_token_ids=tuple(r.prompt_token_ids),
             sampling=SamplingParams(max_tokens=r.max_tokens, temperature=0, ignore_eos=ignore_eos),
-            adapter_id=r.model,
+            adapter=r.model,
             salt=tag,
         )
         for i, r in enumerate(requests)
     ]
 
 
-def run_engine(core: EngineCore, requests: list[Request], *, time_steps: bool = False) -> EngineRun:
+def run_engine(
+    core: EngineCore, requests: list[EngineRequest], *, time_steps: bool = False
+) -> EngineRun:
     """All requests added at once, stepped until every one has finished."""
     tokens: dict[str, list[int]] = {r.request_id: [] for r in requests}
     step_s: list[float] = []

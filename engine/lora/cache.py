@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import bisect
 import concurrent.futures
-import math
 import threading
 import time
 from collections import OrderedDict, deque
@@ -42,38 +41,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.lora.weights import LoRAWeights
+from engine.stats import AdapterCacheStats, LatencyHistogram
 
 # Upper bounds (seconds) of the load-latency histogram buckets; +Inf is added after them.
 LOAD_LATENCY_BOUNDS: tuple[float, ...] = (
     0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
 )  # fmt: skip
-
-
-@dataclass(frozen=True, slots=True)
-class LatencyHistogram:
-    """Cumulative histogram, the shape of a Prometheus histogram."""
-
-    bounds: tuple[float, ...]  # bucket upper bounds, ascending, the last one math.inf
-    cumulative_counts: tuple[int, ...]  # observations <= bounds[i]; the last one == count
-    sum: float  # seconds
-    count: int
-
-
-@dataclass(frozen=True, slots=True)
-class AdapterCacheStats:
-    device_hits: int  # acquire found the adapter in a slot
-    device_misses: int  # acquire installed it from its host copy
-    loads: int  # disk loads started
-    load_failures: int
-    device_evictions: int
-    host_evictions: int
-    num_device: int  # slots holding an adapter
-    num_host: int  # adapters in host memory
-    num_loading: int  # loads in flight
-    num_queued: int  # loads waiting for room on the host tier
-    load_latency: LatencyHistogram  # durations of successful loads
-    device_slots: int  # max_loras
-    host_capacity: int  # max_cpu_loras
 
 
 @dataclass(frozen=True, slots=True)
@@ -329,7 +302,7 @@ class AdapterCache:
                 num_loading=self._num_loading,
                 num_queued=len(self._queue),
                 load_latency=LatencyHistogram(
-                    bounds=(*LOAD_LATENCY_BOUNDS, math.inf),
+                    finite_bounds=LOAD_LATENCY_BOUNDS,
                     cumulative_counts=tuple(cumulative),
                     sum=self._latency_sum,
                     count=total,

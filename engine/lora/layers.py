@@ -1,19 +1,19 @@
 """Slot-stacked LoRA buffers of every fused linear of the model, and their forward.
 
-Each fused linear (qkv, o, gate_up, down) of each layer gets one `LoRAGroup`: device
-buffers for `num_slots` adapters of rank up to `max_rank` in the layout documented in
-kernels/reference.py. An adapter in use occupies one slot in every group; a base-model
-token uses none and is never touched.
+Each fused linear of each layer (a "LoRA group" of the architecture, e.g. Llama's qkv,
+o, gate_up and down) gets one `LoRAGroup`: device buffers for `num_slots` adapters of
+rank up to `max_rank` in the layout documented in kernels/reference.py. An adapter in
+use occupies one slot in every group; a base-model token uses none and is never touched.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
-from engine.lora.weights import GROUP_SLICES, LoRAModule, LoRAWeights
+from engine.lora.weights import LoRAModule, LoRAWeights
 from kernels import reference as ref
 
 # Segments of at most this many rows (decode-sized) run their LoRA matmuls single-threaded.
@@ -130,19 +130,24 @@ class LoRASlots:
     def __init__(
         self,
         groups: list[dict[str, LoRAGroup]],  # per layer: group name -> group
+        group_modules: Mapping[str, Sequence[str]],  # group -> its modules in slice order
     ) -> None:
         self.groups = groups
-        self.num_slots = groups[0]["qkv"].num_slots if groups else 0
-        self.max_rank = groups[0]["qkv"].max_rank if groups else 0
+        self.group_modules = {name: tuple(modules) for name, modules in group_modules.items()}
+        first = next(iter(groups[0].values())) if groups else None
+        self.num_slots = first.num_slots if first is not None else 0
+        self.max_rank = first.max_rank if first is not None else 0
+        self.device = first.device if first is not None else None
         self.last_install_s = 0.0  # how long the last install took (benchmarks, logs)
 
     def install(self, slot: int, weights: LoRAWeights) -> None:
         start = time.perf_counter()
         for layer, by_name in enumerate(self.groups):
             for name, group in by_name.items():
-                group.set_slot(slot, [weights.modules.get((layer, m)) for m in GROUP_SLICES[name]])
-        if self.groups and self.groups[0]["qkv"].device.type == "cuda":
-            torch.cuda.synchronize(self.groups[0]["qkv"].device)
+                modules = self.group_modules[name]
+                group.set_slot(slot, [weights.modules.get((layer, m)) for m in modules])
+        if self.device is not None and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         self.last_install_s = time.perf_counter() - start
 
     def clear(self, slot: int) -> None:

@@ -17,25 +17,16 @@ from typing import Any
 
 import torch
 
-from engine.lora.weights import TARGET_MODULES, AdapterError, LoRAModule, LoRAWeights
+from engine.lora.weights import AdapterError, LoRAModule, LoRAWeights
 from engine.model_loader import ModelConfig
-from kernels.reference import interleave_rope_rows
+from engine.models.base import CausalLM, interleave_leading_rows
+from engine.models.registry import model_class_for
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 PICKLE_WEIGHTS_FILE = "adapter_model.bin"
 ALL_LINEAR = "all-linear"
 
-_PARENT = {
-    "q_proj": "self_attn",
-    "k_proj": "self_attn",
-    "v_proj": "self_attn",
-    "o_proj": "self_attn",
-    "gate_proj": "mlp",
-    "up_proj": "mlp",
-    "down_proj": "mlp",
-}
-_ROPE_MODULES = ("q_proj", "k_proj")
 _EMBEDDING_MODULES = ("embed_tokens", "lm_head")
 
 # Config fields that, when set, ask for something other than plain LoRA on the base weights.
@@ -63,7 +54,7 @@ _TENSOR_NAME = re.compile(
     r"\.(?P<param>weight|bias)$"
 )
 _MODULE_PATH = re.compile(
-    r"^(?:model\.)?layers\.(?P<layer>\d+)\.(?P<parent>self_attn|mlp)\.(?P<name>[^.]+)$"
+    r"^(?:model\.)?layers\.(?P<layer>\d+)\.(?P<parent>[^.]+)\.(?P<name>[^.]+)$"
 )
 
 
@@ -97,22 +88,27 @@ def load_peft_adapter(
     name: str | None = None,
     dtype: torch.dtype = torch.float32,
 ) -> LoRAWeights:
-    """Read and validate a PEFT LoRA directory; q/k B rows come back rope-interleaved."""
+    """Read and validate a PEFT LoRA directory for the architecture of `model_config`
+    (the modules it may target and their shapes are its class's, see engine/models);
+    the B rows rope rotates come back rope-interleaved."""
+    arch = model_class_for(model_config)
     path = Path(path)
     if not path.exists():
         raise AdapterError(f"adapter directory {path} does not exist")
     if not path.is_dir():
         raise AdapterError(f"adapter path {path} is not a directory")
     config_path = path / CONFIG_FILE
-    config = _parse_config(_read_json(config_path), config_path)
+    config = _parse_config(_read_json(config_path), config_path, arch.target_modules())
     weights_path = _weights_file(path)
     tensors = _read_tensors(weights_path)
 
-    found = _group_tensors(tensors, weights_path, model_config)
+    found = _group_tensors(tensors, weights_path, model_config, arch)
     _check_targets(found, config, config_path, weights_path)
     modules: dict[tuple[int, str], LoRAModule] = {}
     for key, factors in sorted(found.items()):
-        modules[key] = _build_module(key, factors, config, model_config, weights_path, dtype)
+        modules[key] = _build_module(
+            key, factors, config, model_config, arch, weights_path, dtype
+        )
     rank = max(m.rank for m in modules.values())
     if rank > max_rank:
         (layer, module), worst = max(modules.items(), key=lambda kv: kv[1].rank)
@@ -145,7 +141,9 @@ def _read_json(config_path: Path) -> dict[str, Any]:
     return raw
 
 
-def _parse_config(raw: dict[str, Any], config_path: Path) -> _AdapterConfig:
+def _parse_config(
+    raw: dict[str, Any], config_path: Path, supported: frozenset[str]
+) -> _AdapterConfig:
     peft_type = raw.get("peft_type")
     if peft_type is not None and peft_type != "LORA":
         raise AdapterError(
@@ -199,7 +197,7 @@ def _parse_config(raw: dict[str, Any], config_path: Path) -> _AdapterConfig:
         use_rslora=use_rslora,
         rank_pattern={k: int(v) for k, v in rank_pattern.items()},
         alpha_pattern={k: float(v) for k, v in alpha_pattern.items()},
-        target_modules=_parse_targets(raw.get("target_modules"), config_path),
+        target_modules=_parse_targets(raw.get("target_modules"), config_path, supported),
     )
 
 
@@ -225,7 +223,9 @@ def _pattern(raw: dict[str, Any], field_name: str, config_path: Path) -> dict[st
     return value
 
 
-def _parse_targets(value: Any, config_path: Path) -> list[str] | str | None:
+def _parse_targets(
+    value: Any, config_path: Path, supported: frozenset[str]
+) -> list[str] | str | None:
     if value is None:
         return None
     if isinstance(value, str):
@@ -251,11 +251,11 @@ def _parse_targets(value: Any, config_path: Path) -> list[str] | str | None:
             f"{config_path}: target_modules includes {', '.join(embeddings)}; LoRA on the "
             "embeddings or lm_head is not supported"
         )
-    unsupported = sorted(t for t, leaf in leaves.items() if leaf not in TARGET_MODULES)
+    unsupported = sorted(t for t, leaf in leaves.items() if leaf not in supported)
     if unsupported:
         raise AdapterError(
             f"{config_path}: target_modules includes {', '.join(unsupported)}, which cannot "
-            f"be adapted (supported: {', '.join(sorted(TARGET_MODULES))}, or {ALL_LINEAR!r})"
+            f"be adapted (supported: {', '.join(sorted(supported))}, or {ALL_LINEAR!r})"
         )
     return list(value)
 
@@ -297,9 +297,13 @@ def _read_tensors(weights_path: Path) -> dict[str, torch.Tensor]:
 
 
 def _group_tensors(
-    tensors: dict[str, torch.Tensor], weights_path: Path, model_config: ModelConfig
+    tensors: dict[str, torch.Tensor],
+    weights_path: Path,
+    model_config: ModelConfig,
+    arch: type[CausalLM],
 ) -> dict[tuple[int, str], _Factors]:
     found: dict[tuple[int, str], _Factors] = {}
+    supported = arch.target_modules()
     for tensor_name, tensor in tensors.items():
         parts = tensor_name.split(".")
         if (
@@ -335,10 +339,14 @@ def _group_tensors(
         module_path = match["module"]
         where = _MODULE_PATH.match(module_path)
         leaf = module_path.rsplit(".", 1)[-1]
-        if where is None or leaf not in TARGET_MODULES or _PARENT[leaf] != where["parent"]:
+        if (
+            where is None
+            or leaf not in supported
+            or arch.module_parents[leaf] != where["parent"]
+        ):
             raise AdapterError(
                 f"{weights_path}: tensor {tensor_name} adapts {module_path}, which cannot be "
-                f"adapted (supported modules: {', '.join(sorted(TARGET_MODULES))})"
+                f"adapted (supported modules: {', '.join(sorted(supported))})"
             )
         layer = int(where["layer"])
         if layer >= model_config.num_layers:
@@ -398,6 +406,7 @@ def _build_module(
     factors: _Factors,
     config: _AdapterConfig,
     model_config: ModelConfig,
+    arch: type[CausalLM],
     weights_path: Path,
     dtype: torch.dtype,
 ) -> LoRAModule:
@@ -432,7 +441,7 @@ def _build_module(
             f"{weights_path}: layer {layer} {module} has rank {rank}, but {CONFIG_FILE} "
             f"says {expected_rank} (r / rank_pattern)"
         )
-    in_features, out_features = module_shape(module, model_config)
+    in_features, out_features = arch.linear_shapes(model_config)[module]
     if a.shape[1] != in_features or b.shape[0] != out_features:
         raise AdapterError(
             f"{weights_path}: layer {layer} {module} has lora_A {list(a.shape)} and lora_B "
@@ -451,19 +460,7 @@ def _build_module(
             raise AdapterError(f"{weights_path}: tensor {tensor_name} overflows {dtype}")
         out.append(cast)
     a_out, b_out = out
-    if module in _ROPE_MODULES:
-        b_out = interleave_rope_rows(b_out, model_config.head_dim)
+    rope_rows = arch.rope_rows(module, model_config)
+    if rope_rows:
+        b_out = interleave_leading_rows(b_out, rope_rows, model_config.head_dim)
     return LoRAModule(a=a_out.contiguous(), b=b_out.contiguous(), scaling=float(scaling))
-
-
-def module_shape(module: str, cfg: ModelConfig) -> tuple[int, int]:
-    """(in_features, out_features) of a base linear."""
-    return {
-        "q_proj": (cfg.hidden_size, cfg.q_size),
-        "k_proj": (cfg.hidden_size, cfg.kv_size),
-        "v_proj": (cfg.hidden_size, cfg.kv_size),
-        "o_proj": (cfg.q_size, cfg.hidden_size),
-        "gate_proj": (cfg.hidden_size, cfg.intermediate_size),
-        "up_proj": (cfg.hidden_size, cfg.intermediate_size),
-        "down_proj": (cfg.intermediate_size, cfg.hidden_size),
-    }[module]

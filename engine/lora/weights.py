@@ -1,4 +1,8 @@
-"""An adapter in host memory, in the model's own layout (fused groups, rope-ordered q/k)."""
+"""An adapter in host memory, in the model's own layout (rope-ordered q/k rows).
+
+Which modules an adapter may target, and which fused linear of the model carries each,
+is the architecture's (`lora_groups` of its class in engine/models).
+"""
 
 from __future__ import annotations
 
@@ -7,23 +11,7 @@ from pathlib import Path
 
 import torch
 
-# Hugging Face module names an adapter may target, by the fused linear ("group") of our
-# model that carries them, in output-slice order.
-GROUP_SLICES: dict[str, tuple[str, ...]] = {
-    "qkv": ("q_proj", "k_proj", "v_proj"),
-    "o": ("o_proj",),
-    "gate_up": ("gate_proj", "up_proj"),
-    "down": ("down_proj",),
-}
-TARGET_MODULES: frozenset[str] = frozenset(m for ms in GROUP_SLICES.values() for m in ms)
-# module name -> (group, slice index)
-MODULE_GROUP: dict[str, tuple[str, int]] = {
-    m: (group, k) for group, ms in GROUP_SLICES.items() for k, m in enumerate(ms)
-}
-
-
-class AdapterError(ValueError):
-    """An adapter that cannot be served; the message says why, for the operator."""
+from engine.errors import AdapterError as AdapterError
 
 
 @dataclass(slots=True)
@@ -31,7 +19,7 @@ class LoRAModule:
     """One adapted linear: delta(x) = scaling * (x @ a.T) @ b.T."""
 
     a: torch.Tensor  # [r, in]
-    b: torch.Tensor  # [out, r]; q_proj / k_proj rows already rope-interleaved
+    b: torch.Tensor  # [out, r]; the rows rope rotates (q and k heads) already interleaved
     scaling: float
 
     @property

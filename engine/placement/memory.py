@@ -2,8 +2,8 @@
 
 A worker holds, for its whole life:
 - the base weights in the serving dtype (parameters counted from config.json);
-- `max_loras` adapter slots at `max_lora_rank` on all 7 target modules, in the serving dtype
-  (the stacked buffers `LoRAGroup` allocates on CUDA);
+- `max_loras` adapter slots at `max_lora_rank` on every module the architecture lets an
+  adapter target, in the serving dtype (the stacked buffers `LoRAGroup` allocates on CUDA);
 - a CUDA context reserve (driver context, cuBLAS workspaces, allocator slack);
 - activation headroom for one step, see `activation_bytes`;
 - the KV cache: 2 (K and V) x layers x kv_heads x head_dim x dtype bytes per token.
@@ -13,9 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.lora.peft import module_shape
-from engine.lora.weights import TARGET_MODULES
 from engine.model_loader import ModelConfig
+from engine.models.registry import model_class_for
 
 GIB = 1 << 30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -39,21 +38,8 @@ def dtype_bytes(dtype: str) -> int:
 
 
 def count_parameters(cfg: ModelConfig) -> int:
-    """Parameters of a Llama-family model: embeddings (+ an untied lm_head), per layer the
-    attention and MLP projections (+ biases) and two norms, and the final norm."""
-    h, inter = cfg.hidden_size, cfg.intermediate_size
-    attention = h * cfg.q_size + 2 * h * cfg.kv_size + cfg.q_size * h
-    if cfg.qkv_bias:
-        attention += cfg.q_size + 2 * cfg.kv_size
-    if cfg.o_bias:
-        attention += h
-    mlp = 3 * h * inter
-    if cfg.mlp_bias:
-        mlp += 2 * inter + h
-    per_layer = attention + mlp + 2 * h
-    embeddings = cfg.vocab_size * h
-    lm_head = 0 if cfg.tie_word_embeddings else cfg.vocab_size * h
-    return embeddings + lm_head + cfg.num_layers * per_layer + h
+    """Parameters of the model, as its architecture counts them (tied weights once)."""
+    return model_class_for(cfg).count_parameters(cfg)
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype: str) -> int:
@@ -62,9 +48,10 @@ def kv_bytes_per_token(cfg: ModelConfig, dtype: str) -> int:
 
 def adapter_slot_bytes(cfg: ModelConfig, max_loras: int, max_rank: int, dtype: str) -> int:
     """Device buffers for `max_loras` adapters of rank `max_rank` on every target module."""
-    # NOTE: the loader's shape table (module_shape), as engine.async_engine.max_adapter_bytes
-    # uses; that function bounds an adapter's files (float32), this the device slots.
-    per_layer = sum(sum(module_shape(m, cfg)) for m in TARGET_MODULES)  # in + out features
+    # NOTE: the architecture's shape table, as engine.async_engine.max_adapter_bytes uses;
+    # that function bounds an adapter's files (float32), this the device slots.
+    shapes = model_class_for(cfg).linear_shapes(cfg)
+    per_layer = sum(fin + fout for fin, fout in shapes.values())
     return max_loras * max_rank * per_layer * cfg.num_layers * dtype_bytes(dtype)
 
 
@@ -102,7 +89,7 @@ def activation_bytes(
     size = dtype_bytes(shape.dtype)
     per_token = (
         4 * cfg.hidden_size + 2 * cfg.q_size + 2 * cfg.kv_size + 3 * cfg.intermediate_size
-    ) * size + len(TARGET_MODULES) * shape.max_lora_rank * 4
+    ) * size + len(model_class_for(cfg).linear_shapes(cfg)) * shape.max_lora_rank * 4
     layer_step = ACTIVATION_SAFETY_FACTOR * shape.max_num_batched_tokens * per_token
     logits = _LOGIT_COPIES * max_num_seqs * cfg.vocab_size * 4
     masks = shape.max_num_batched_tokens * cfg.max_model_len

@@ -16,9 +16,9 @@ from pathlib import Path
 import httpx
 
 from engine.client import AdapterInfo
-from engine.lora.weights import AdapterError
+from engine.errors import AdapterError, NoWorkerAvailable
 from engine.remote.calls import AdapterRefused, WorkerFailed, post, register_adapter
-from engine.remote.protocol import REMOVE_ADAPTER_PATH, NoWorkerAvailable
+from engine.remote.protocol import REMOVE_ADAPTER_PATH
 from engine.remote.routing import rendezvous_order
 from engine.remote.workers import KnownWorker, WorkerPool
 

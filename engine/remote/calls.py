@@ -14,9 +14,9 @@ from engine.client import AdapterInfo
 from engine.remote.protocol import (
     ADAPTERS_PATH,
     GENERATE_PATH,
-    AdapterInfoWire,
     ErrorBody,
     WireError,
+    decode_adapter_info,
     decode_line,
 )
 from engine.remote.workers import KnownWorker
@@ -81,7 +81,7 @@ async def register_adapter(
         raise AdapterRefused(error_of(response).message)
     if response.status_code != 200:
         raise call_failure(worker, response)
-    info = AdapterInfoWire.model_validate_json(response.content).to_info()
+    info = decode_adapter_info(response.content)
     worker.registered.add(name)
     log.info("adapter %s registered on worker %s", name, worker.worker_id)
     return info

@@ -26,22 +26,23 @@ import httpx
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from engine.client import AdapterInfo, AdapterPlacement, EngineStats, RequestRejected
+from engine.client import (
+    AdapterInfo,
+    AdapterPlacement,
+    EngineStats,
+    Route,
+    RouteHint,
+    WorkerStatus,
+)
+from engine.errors import NoWorkerAvailable, RequestRejected, WorkerLost
 from engine.remote.adapters import RemoteAdapters
 from engine.remote.calls import AdapterMissing, WorkerFailed, post, stream_generate
 from engine.remote.heartbeat import read_heartbeats
-from engine.remote.protocol import (
-    ABORT_PATH,
-    GenerateRequest,
-    NoWorkerAvailable,
-    SamplingWire,
-    TenantWire,
-    WorkerLost,
-)
+from engine.remote.protocol import ABORT_PATH, encode_request
 from engine.remote.routing import Candidate, LoadBound, RouteQuery, choose_worker
 from engine.remote.tokenizer import Tokenizing
-from engine.remote.workers import KnownWorker, WorkerPool, WorkerReport
-from engine.request import RequestOutput, SamplingParams, TenantContext
+from engine.remote.workers import KnownWorker, WorkerPool
+from engine.request import EngineRequest, RequestOutput
 
 log = logging.getLogger("loraplex.gateway")
 
@@ -52,11 +53,10 @@ _SHUTDOWN_WAIT_S = 5.0
 
 
 @dataclass(slots=True)
-class Route:
-    """The worker chosen for one API request's engine requests (all its choices); a
-    retry moves it, so after the request `worker_id` names where it ran."""
+class _Pin:
+    """A route chosen for an engine request that has not started yet."""
 
-    worker_id: str
+    route: Route  # shared by the API request's engine requests (all its choices)
     query: RouteQuery
     created: float
 
@@ -102,7 +102,7 @@ class RemoteEngine:
         self.adapters = RemoteAdapters(
             self._http, self.pool, data_dir, max_attempts=max_attempts
         )
-        self._pins: dict[str, Route] = {}  # engine request id -> its route
+        self._pins: dict[str, _Pin] = {}  # engine request id -> its route
         self._running: dict[str, str] = {}  # engine request id -> worker id
         self._tasks: set[asyncio.Task[Any]] = set()
         self._refresh_task: asyncio.Task[None] | None = None
@@ -220,48 +220,64 @@ class RemoteEngine:
         """Merged over the workers: a slot if any worker has one, counts summed."""
         merged: dict[str, AdapterPlacement] = {}
         for worker in self.pool.in_rotation():
-            for p in worker.beat.residency:
-                old = merged.get(p.name)
-                place = p.to_placement()
+            for place in worker.beat.residency:
+                old = merged.get(place.name)
                 if old is not None:
                     place = AdapterPlacement(
-                        name=p.name,
+                        name=place.name,
                         slot=old.slot if old.slot is not None else place.slot,
                         on_host=old.on_host or place.on_host,
                         loading=old.loading or place.loading,
                         pins=old.pins + place.pins,
                         reservations=old.reservations + place.reservations,
                     )
-                merged[p.name] = place
+                merged[place.name] = place
         return [merged[name] for name in sorted(merged)]
 
-    def workers(self) -> list[WorkerReport]:
+    def workers(self) -> list[WorkerStatus]:
         """Every worker with a live heartbeat, in rotation or not, by id."""
-        return self.pool.reports()
+        known = {info.name: info for info in self.list_adapters()}
+        now = time.time()
+        statuses = []
+        for worker in self.pool.all():
+            beat = worker.beat
+            statuses.append(
+                WorkerStatus(
+                    id=beat.worker_id,
+                    model=beat.model_id,
+                    ready=beat.ready,
+                    stats=beat.stats,
+                    # Adapters this gateway has not validated (another gateway's, not yet
+                    # synced) have no rank or size here: they show once it has.
+                    adapters=[known[n] for n in beat.adapters_registered if n in known],
+                    residency=list(beat.residency),
+                    url=beat.url,
+                    device=beat.device,
+                    mig_profile=beat.mig_profile,
+                    gpu_uuid=beat.gpu_uuid,
+                    dedicated_tenants=list(beat.dedicated_tenants),
+                    in_rotation=worker.in_rotation,
+                    inflight=self.pool.inflight[worker.worker_id],
+                    seconds_since_heartbeat=max(0.0, now - beat.sent_at),
+                )
+            )
+        return statuses
 
     # -- routing -------------------------------------------------------------------------
 
-    def route(
-        self,
-        request_ids: Sequence[str],
-        *,
-        adapter_id: str | None,
-        tenant_id: str | None,
-        dedicated: bool,
-        tenant_name: str | None = None,
-    ) -> Route:
+    def route(self, request_ids: Sequence[str], hint: RouteHint) -> Route:
         """Choose the worker for an API request before its response starts (so that the
         response can name it); `generate` of these request ids then starts there.
         Raises NoWorkerAvailable."""
-        query = RouteQuery(adapter=adapter_id, tenant_id=tenant_id, tenant_name=tenant_name,
-                           dedicated=dedicated)
+        query = RouteQuery(adapter=hint.adapter, tenant_id=hint.tenant_id,
+                           tenant_name=hint.tenant_name, dedicated=hint.dedicated)
         worker_id = choose_worker(self._candidates(query), query, bound=self.load_bound)
         if worker_id is None:
             raise NoWorkerAvailable(_no_worker_reason(query))
-        route = Route(worker_id=worker_id, query=query, created=time.monotonic())
+        pin = _Pin(route=Route(worker_id=worker_id), query=query, created=time.monotonic())
         for request_id in request_ids:
-            self._pins[request_id] = route
-        return route
+            self._pins[request_id] = pin
+        return pin.route
 
     def release(self, request_ids: Sequence[str]) -> None:
         """Forget the routes of requests that will not run."""
@@ -293,32 +309,16 @@ class RemoteEngine:
 
     # -- generation ----------------------------------------------------------------------
 
-    async def generate(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        sampling: SamplingParams,
-        *,
-        adapter_id: str | None = None,
-        salt: str | None = None,
-        priority: int = 0,
-        tenant: TenantContext | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        route = self._pins.pop(request_id, None)
-        if route is not None:
-            query = route.query
+    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+        request_id, adapter = request.request_id, request.adapter
+        pin = self._pins.pop(request_id, None)
+        route = None if pin is None else pin.route
+        if pin is not None:
+            query = pin.query
         else:
-            tenant_id = None if tenant is None else tenant.tenant_id
-            query = RouteQuery(adapter=adapter_id, tenant_id=tenant_id)
-        body = GenerateRequest(
-            request_id=request_id,
-            prompt_token_ids=prompt_token_ids,
-            sampling=SamplingWire.of(sampling),
-            adapter_id=adapter_id,
-            salt=salt,
-            priority=priority,
-            tenant=None if tenant is None else TenantWire.of(tenant),
-        ).model_dump_json().encode()
+            tenant_id = None if request.tenant is None else request.tenant.tenant_id
+            query = RouteQuery(adapter=adapter, tenant_id=tenant_id)
+        body = encode_request(request)
         tried: set[str] = set()
         preferred = None if route is None else route.worker_id
         reasons: list[str] = []
@@ -334,8 +334,8 @@ class RemoteEngine:
             self.pool.inflight[worker.worker_id] += 1
             self._running[request_id] = worker.worker_id
             try:
-                if adapter_id is not None:
-                    await self.adapters.ensure_on(worker, adapter_id, force=reregister)
+                if adapter is not None:
+                    await self.adapters.ensure_on(worker, adapter, force=reregister)
                 reregister = False
                 outputs = stream_generate(self._http, worker, body)
                 async with contextlib.aclosing(outputs):
@@ -344,7 +344,7 @@ class RemoteEngine:
                         yield output
                 return
             except AdapterMissing as exc:
-                if adapter_id is None or not self.adapters.knows(adapter_id):
+                if adapter is None or not self.adapters.knows(adapter):
                     raise RequestRejected(str(exc), code="model_not_found", param="model") from None
                 # The heartbeat said it had it (a restart, a removal since): register it
                 # there again, then run there.

@@ -23,8 +23,7 @@ import redis.asyncio as aioredis
 from pydantic import BaseModel, ConfigDict
 from redis.exceptions import RedisError
 
-from engine.client import EngineClient
-from engine.remote.protocol import AdapterInfoWire, PlacementWire, StatsWire
+from engine.client import AdapterInfo, AdapterPlacement, EngineClient, EngineStats
 
 log = logging.getLogger("loraplex.worker")
 
@@ -87,7 +86,9 @@ def make_identity(
 class Heartbeat(BaseModel):
     """One worker's state, as gateways route by it and /admin/engine shows it."""
 
-    model_config = ConfigDict(extra="ignore")  # newer workers may add fields
+    # NOTE: newer workers may add fields, here and in the engine values inside (the
+    # config reaches them), and older gateways still route by what they know.
+    model_config = ConfigDict(extra="ignore")
 
     worker_id: str
     instance: str
@@ -109,9 +110,9 @@ class Heartbeat(BaseModel):
     adapters_host: list[str]  # a host-memory copy is loaded
     adapters_registered: list[str]  # every adapter the worker serves
     # Those of them it was started with (`--lora`), which gateways list as served by it.
-    adapters_preloaded: list[AdapterInfoWire] = []
-    stats: StatsWire
-    residency: list[PlacementWire]
+    adapters_preloaded: list[AdapterInfo] = []
+    stats: EngineStats
+    residency: list[AdapterPlacement]
     sent_at: float  # unix seconds, for operators (never compared across machines)
 
     @property
@@ -146,12 +147,12 @@ def snapshot(
         adapters_host=sorted(p.name for p in residency if p.on_host),
         adapters_registered=sorted(a.name for a in engine.list_adapters()),
         adapters_preloaded=[
-            AdapterInfoWire.of(info)
+            info
             for name in identity.preloaded_adapters
             if (info := engine.get_adapter(name)) is not None
         ],
-        stats=StatsWire.of(stats),
-        residency=[PlacementWire.of(p) for p in residency],
+        stats=stats,
+        residency=residency,
         sent_at=time.time(),
     )
 

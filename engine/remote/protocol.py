@@ -1,30 +1,28 @@
 """The wire format between gateways and workers.
 
-Requests and answers are JSON bodies (pydantic models below). A generation streams as
-newline-delimited JSON: one `StreamLine` per line, each an engine output or, last, an
-error; an empty line is a keepalive that a worker sends while a request waits, so that a
-gateway can tell a silent worker from a dead one.
+Engine values travel as themselves: the bodies below are pydantic models whose fields are
+the engine's own dataclasses (EngineRequest, RequestOutput, EngineStats, AdapterInfo,
+AdapterPlacement...), validated and serialised by pydantic, so that the wire cannot drift
+from them. A generation streams as newline-delimited JSON: one `StreamLine` per line, each
+an engine output or, last, an error; an empty line is a keepalive that a worker sends
+while a request waits, so that a gateway can tell a silent worker from a dead one.
+
+NOTE: unknown fields are refused, not dropped, in everything but heartbeats: a worker must
+not silently ignore a sampling parameter a newer gateway sends (roll workers out before
+gateways). Heartbeats (heartbeat.py) ignore them: newer workers may report more.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import json
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 
-from engine.client import (
-    AdapterInfo,
-    AdapterPlacement,
-    EngineStats,
-    EngineUnavailable,
-    RequestRejected,
-)
-from engine.lora.cache import AdapterCacheStats, LatencyHistogram
-from engine.request import RequestOutput, SamplingParams, TenantContext, TokenLogprob
-
-# The response header that names the worker a request ran on.
-WORKER_HEADER = "x-loraplex-worker"
+from engine.client import WORKER_HEADER as WORKER_HEADER
+from engine.client import AdapterInfo, AdapterPlacement, EngineStats
+from engine.errors import EngineError, EngineUnavailable, RequestRejected, error_class
+from engine.request import EngineRequest, RequestOutput
 
 GENERATE_PATH = "/internal/generate"
 ABORT_PATH = "/internal/abort"
@@ -36,132 +34,36 @@ NDJSON = "application/x-ndjson"
 KEEPALIVE = b"\n"
 
 
-class NoWorkerAvailable(EngineUnavailable):
-    """No worker in rotation can take the request (none alive, or none dedicated to its
-    tenant): the caller answers 503 with Retry-After."""
+class Wire(BaseModel):
+    """Base of every body; its config reaches the engine dataclasses inside."""
 
-
-class WorkerLost(RuntimeError):
-    """The worker running a request failed after it had streamed output: the request
-    cannot be moved without repeating what the caller already saw."""
-
-
-class _Wire(BaseModel):
-    # NOTE: unknown fields are refused, not dropped: a worker must not silently ignore a
-    # sampling parameter a newer gateway sends (roll workers out before gateways).
     model_config = ConfigDict(extra="forbid")
 
 
 # ----------------------------------------------------------------------------- generate
 
 
-class SamplingWire(_Wire):
-    """SamplingParams field for field (a test keeps the two in step)."""
-
-    max_tokens: int
-    temperature: float
-    top_p: float
-    top_k: int
-    presence_penalty: float
-    frequency_penalty: float
-    repetition_penalty: float
-    seed: int | None
-    stop: list[str]
-    stop_token_ids: list[int]
-    ignore_eos: bool
-    logprobs: int | None
-
-    @classmethod
-    def of(cls, params: SamplingParams) -> SamplingWire:
-        return cls(**dataclasses.asdict(params))
-
-    def to_params(self) -> SamplingParams:
-        """Raises ValueError for values the engine refuses."""
-        return SamplingParams(**self.model_dump())
+class GenerateBody(Wire):
+    request: EngineRequest
 
 
-class TenantWire(_Wire):
-    """TenantContext field for field."""
-
-    tenant_id: str
-    weight: float
-    max_running: int | None
-    max_kv_fraction: float | None
-    max_tokens: int | None
-    max_context_tokens: int | None
-
-    @classmethod
-    def of(cls, tenant: TenantContext) -> TenantWire:
-        return cls(**dataclasses.asdict(tenant))
-
-    def to_context(self) -> TenantContext:
-        return TenantContext(**self.model_dump())
+def encode_request(request: EngineRequest) -> bytes:
+    return GenerateBody(request=request).model_dump_json().encode()
 
 
-class GenerateRequest(_Wire):
-    request_id: str
-    prompt_token_ids: list[int]
-    sampling: SamplingWire
-    adapter_id: str | None = None
-    salt: str | None = None
-    priority: int = 0
-    tenant: TenantWire | None = None
+def decode_request(body: bytes | str) -> EngineRequest:
+    """Raises ValidationError (a ValueError): see `refusal` for what it means."""
+    return GenerateBody.model_validate_json(body).request
 
 
-class LogprobWire(_Wire):
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]]
-
-
-class OutputWire(_Wire):
-    """RequestOutput field for field."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_text: str
-    finished: bool
-    finish_reason: str | None
-    num_prompt_tokens: int
-    num_output_tokens: int
-    num_cached_tokens: int
-    new_logprobs: list[LogprobWire] = []
-    new_token_texts: list[str] = []
-
-    @classmethod
-    def of(cls, out: RequestOutput) -> OutputWire:
-        return cls(
-            request_id=out.request_id,
-            new_token_ids=out.new_token_ids,
-            new_text=out.new_text,
-            finished=out.finished,
-            finish_reason=out.finish_reason,
-            num_prompt_tokens=out.num_prompt_tokens,
-            num_output_tokens=out.num_output_tokens,
-            num_cached_tokens=out.num_cached_tokens,
-            new_logprobs=[
-                LogprobWire(token_id=lp.token_id, logprob=lp.logprob, top=lp.top)
-                for lp in out.new_logprobs
-            ],
-            new_token_texts=out.new_token_texts,
-        )
-
-    def to_output(self) -> RequestOutput:
-        return RequestOutput(
-            request_id=self.request_id,
-            new_token_ids=self.new_token_ids,
-            new_text=self.new_text,
-            finished=self.finished,
-            finish_reason=self.finish_reason,
-            num_prompt_tokens=self.num_prompt_tokens,
-            num_output_tokens=self.num_output_tokens,
-            num_cached_tokens=self.num_cached_tokens,
-            new_logprobs=[
-                TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, top=list(lp.top))
-                for lp in self.new_logprobs
-            ],
-            new_token_texts=self.new_token_texts,
-        )
+def refusal(exc: ValidationError) -> str | None:
+    """When a body is well formed but the engine's own checks refuse a value in it
+    (`top_p` 0, an empty prompt), what they said; None for a malformed body."""
+    errors = exc.errors()
+    causes = [e.get("ctx", {}).get("error") for e in errors if e["type"] == "value_error"]
+    if not causes or len(causes) != len(errors):
+        return None
+    return "; ".join(str(c) for c in causes)
 
 
 # "rejected": RequestRejected (code, param); "invalid": another ValueError the request
@@ -170,7 +72,10 @@ class OutputWire(_Wire):
 ErrorKind = Literal["rejected", "invalid", "unavailable", "engine", "unauthorized"]
 
 
-class WireError(_Wire):
+class WireError(Wire):
+    """An error on the wire. `code` is the EngineError's (decoded back into its class),
+    or, for other errors, what a route says went wrong (e.g. path_outside_store)."""
+
     kind: ErrorKind
     message: str
     code: str | None = None
@@ -180,35 +85,49 @@ class WireError(_Wire):
     def of(cls, exc: BaseException) -> WireError:
         if isinstance(exc, RequestRejected):
             return cls(kind="rejected", message=str(exc), code=exc.code, param=exc.param)
+        if isinstance(exc, EngineError):
+            kind: ErrorKind = "engine"
+            if isinstance(exc, EngineUnavailable):
+                kind = "unavailable"
+            elif isinstance(exc, ValueError):
+                kind = "invalid"
+            return cls(kind=kind, message=str(exc), code=exc.code)
         if isinstance(exc, ValueError):
             return cls(kind="invalid", message=str(exc))
         return cls(kind="engine", message=f"{type(exc).__name__}: {exc}")
 
     def to_exception(self) -> Exception:
-        """What the engine raised, for the errors a request causes; RuntimeError else."""
+        """The error the engine raised: the same EngineError class, a ValueError for
+        another error the request caused, RuntimeError else."""
         if self.kind == "rejected":
             return RequestRejected(self.message, code=self.code or "invalid_request",
                                    param=self.param)
+        cls = None if self.code is None else error_class(self.code)
+        if cls is not None:
+            return cls(self.message)
         if self.kind == "invalid":
             return ValueError(self.message)
         return RuntimeError(f"worker error ({self.kind}): {self.message}")
 
 
-class ErrorBody(_Wire):
+class ErrorBody(Wire):
     """Body of every non-2xx answer of a worker."""
 
     error: WireError
 
 
-class StreamLine(_Wire):
+class StreamLine(Wire):
     """One line of a generation stream: exactly one of the two."""
 
-    output: OutputWire | None = None
+    output: RequestOutput | None = None
     error: WireError | None = None
 
 
+_OUTPUT = TypeAdapter(RequestOutput)
+
+
 def encode_output(out: RequestOutput) -> bytes:
-    return b'{"output":' + OutputWire.of(out).model_dump_json().encode() + b"}\n"
+    return b'{"output":' + _OUTPUT.dump_json(out) + b"}\n"
 
 
 def encode_error(error: WireError) -> bytes:
@@ -218,143 +137,64 @@ def encode_error(error: WireError) -> bytes:
 def decode_line(line: str | bytes) -> RequestOutput | WireError:
     parsed = StreamLine.model_validate_json(line)
     if parsed.output is not None:
-        return parsed.output.to_output()
+        return parsed.output
     if parsed.error is not None:
         return parsed.error
     raise ValueError("a stream line with neither an output nor an error")
 
 
-class AbortRequest(_Wire):
+class AbortRequest(Wire):
     request_id: str
 
 
 # ----------------------------------------------------------------------------- adapters
 
 
-class AddAdapterRequest(_Wire):
+class AddAdapterRequest(Wire):
     name: str
     # Relative to the worker's data directory, or absolute; either way it must lie in
     # the worker's adapter store (<data_dir>/adapters/).
     path: str
 
 
-class RemoveAdapterRequest(_Wire):
+class RemoveAdapterRequest(Wire):
     name: str
 
 
-class RemoveAdapterResponse(_Wire):
+class RemoveAdapterResponse(Wire):
     removed: bool
 
 
-class AdapterInfoWire(_Wire):
-    name: str
-    key: str
-    path: str | None
-    rank: int
-    alpha: float
-    use_rslora: bool
-    target_modules: list[str]
-    size_bytes: int
-    created: int
-
-    @classmethod
-    def of(cls, info: AdapterInfo) -> AdapterInfoWire:
-        return cls(**{**dataclasses.asdict(info), "target_modules": list(info.target_modules)})
-
-    def to_info(self) -> AdapterInfo:
-        return AdapterInfo(**{**self.model_dump(), "target_modules": tuple(self.target_modules)})
+class AdapterList(Wire):
+    adapters: list[AdapterInfo]
 
 
-class AdapterList(_Wire):
-    adapters: list[AdapterInfoWire]
+class _AdapterInfoBody(Wire):
+    info: AdapterInfo
+
+
+_ADAPTER_INFO = TypeAdapter(AdapterInfo)
+
+
+def encode_adapter_info(info: AdapterInfo) -> bytes:
+    """An AdapterInfo as a body of its own (what registering an adapter answers)."""
+    return _ADAPTER_INFO.dump_json(info)
+
+
+def decode_adapter_info(body: bytes | str) -> AdapterInfo:
+    """Raises ValueError for a body that is not one."""
+    return _AdapterInfoBody.model_validate({"info": json.loads(body)}).info
 
 
 # ----------------------------------------------------------------------------- stats
 
 
-class HistogramWire(_Wire):
-    # JSON has no infinity: the last bound (always +inf) is implied.
-    finite_bounds: list[float]
-    cumulative_counts: list[int]
-    sum: float
-    count: int
+class WorkerStats(Wire):
+    """What GET /internal/stats answers."""
 
-    @classmethod
-    def of(cls, h: LatencyHistogram) -> HistogramWire:
-        assert h.bounds[-1] == float("inf"), "the last bucket is +Inf"
-        return cls(finite_bounds=list(h.bounds[:-1]), cumulative_counts=list(h.cumulative_counts),
-                   sum=h.sum, count=h.count)
-
-    def to_histogram(self) -> LatencyHistogram:
-        return LatencyHistogram(
-            bounds=(*self.finite_bounds, float("inf")),
-            cumulative_counts=tuple(self.cumulative_counts),
-            sum=self.sum,
-            count=self.count,
-        )
-
-
-class AdapterCacheWire(_Wire):
-    device_hits: int
-    device_misses: int
-    loads: int
-    load_failures: int
-    device_evictions: int
-    host_evictions: int
-    num_device: int
-    num_host: int
-    num_loading: int
-    num_queued: int
-    load_latency: HistogramWire
-    device_slots: int
-    host_capacity: int
-
-    @classmethod
-    def of(cls, s: AdapterCacheStats) -> AdapterCacheWire:
-        fields = {f.name: getattr(s, f.name) for f in dataclasses.fields(s)}
-        return cls(**{**fields, "load_latency": HistogramWire.of(s.load_latency)})
-
-    def to_stats(self) -> AdapterCacheStats:
-        fields = {name: getattr(self, name) for name in type(self).model_fields}
-        return AdapterCacheStats(**{**fields, "load_latency": self.load_latency.to_histogram()})
-
-
-class StatsWire(_Wire):
-    num_running: int
-    num_waiting: int
-    num_free_blocks: int
-    num_total_blocks: int
-    kv_usage: float
-    num_preemptions: int
-    prefix_cache_hits: int
-    prefix_cache_queries: int
-    num_adapters: int = 0
-    adapter_cache: AdapterCacheWire | None = None
-    num_step_failures: int = 0
-
-    @classmethod
-    def of(cls, s: EngineStats) -> StatsWire:
-        fields = {f.name: getattr(s, f.name) for f in dataclasses.fields(s)}
-        cache = None if s.adapter_cache is None else AdapterCacheWire.of(s.adapter_cache)
-        return cls(**{**fields, "adapter_cache": cache})
-
-    def to_stats(self) -> EngineStats:
-        fields = {name: getattr(self, name) for name in type(self).model_fields}
-        cache = None if self.adapter_cache is None else self.adapter_cache.to_stats()
-        return EngineStats(**{**fields, "adapter_cache": cache})
-
-
-class PlacementWire(_Wire):
-    name: str
-    slot: int | None
-    on_host: bool
-    loading: bool
-    pins: int
-    reservations: int
-
-    @classmethod
-    def of(cls, p: AdapterPlacement) -> PlacementWire:
-        return cls(**dataclasses.asdict(p))
-
-    def to_placement(self) -> AdapterPlacement:
-        return AdapterPlacement(**self.model_dump())
+    model_id: str
+    max_model_len: int
+    ready: bool
+    draining: bool
+    stats: EngineStats
+    residency: list[AdapterPlacement]

@@ -14,17 +14,17 @@ import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 from fastapi import APIRouter, Depends, FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel
+from pydantic import ValidationError
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from engine.client import EngineClient
-from engine.lora.weights import AdapterError
+from engine.errors import AdapterError
 from engine.remote.protocol import (
     ABORT_PATH,
     ADAPTERS_PATH,
@@ -34,18 +34,18 @@ from engine.remote.protocol import (
     REMOVE_ADAPTER_PATH,
     STATS_PATH,
     AbortRequest,
-    AdapterInfoWire,
     AdapterList,
     AddAdapterRequest,
     ErrorBody,
-    GenerateRequest,
-    PlacementWire,
     RemoveAdapterRequest,
     RemoveAdapterResponse,
-    StatsWire,
     WireError,
+    WorkerStats,
+    decode_request,
+    encode_adapter_info,
     encode_error,
     encode_output,
+    refusal,
 )
 from engine.request import RequestOutput
 
@@ -79,15 +79,6 @@ class WorkerState:
     @property
     def adapter_store(self) -> Path:
         return self.data_dir / "adapters"
-
-
-class WorkerStatus(BaseModel):
-    model_id: str
-    max_model_len: int
-    ready: bool
-    draining: bool
-    stats: StatsWire
-    residency: list[PlacementWire]
 
 
 def resolve_adapter_path(data_dir: Path, raw: str) -> Path:
@@ -217,28 +208,20 @@ def _internal() -> APIRouter:
     router = APIRouter()
 
     @router.post(GENERATE_PATH)
-    async def generate(body: GenerateRequest, state: StateDep) -> Response:
+    async def generate(request: Request, state: StateDep) -> Response:
+        try:
+            engine_request = decode_request(await request.body())
+        except ValidationError as exc:
+            reason = refusal(exc)
+            if reason is None:
+                error = WireError(kind="invalid", message=f"malformed request: {exc.errors()}")
+                raise WorkerError(422, error) from None
+            raise WorkerError(400, WireError(kind="invalid", message=reason)) from None
         if state.draining:
             raise _unavailable("the worker is shutting down")
         if not state.engine.is_ready():
             raise _unavailable("the engine is not ready")
-        try:
-            sampling = body.sampling.to_params()
-            tenant = None if body.tenant is None else body.tenant.to_context()
-        except (TypeError, ValueError) as exc:
-            raise WorkerError(400, WireError(kind="invalid", message=str(exc))) from None
-        kwargs: dict[str, Any] = {}
-        if tenant is not None:
-            kwargs["tenant"] = tenant  # engines without tenants take no such argument
-        outputs = state.engine.generate(
-            body.request_id,
-            body.prompt_token_ids,
-            sampling,
-            adapter_id=body.adapter_id,
-            salt=body.salt,
-            priority=body.priority,
-            **kwargs,
-        )
+        outputs = state.engine.generate(engine_request)
         return NdjsonStreamResponse(_stream_lines(outputs, state.keepalive_s))
 
     @router.post(ABORT_PATH)
@@ -248,37 +231,37 @@ def _internal() -> APIRouter:
 
     @router.get(ADAPTERS_PATH)
     async def list_adapters(state: StateDep) -> AdapterList:
-        return AdapterList(adapters=[AdapterInfoWire.of(a) for a in state.engine.list_adapters()])
+        return AdapterList(adapters=state.engine.list_adapters())
 
     @router.post(ADAPTERS_PATH)
-    async def add_adapter(body: AddAdapterRequest, state: StateDep) -> AdapterInfoWire:
+    async def add_adapter(body: AddAdapterRequest, state: StateDep) -> Response:
         path = resolve_adapter_path(state.data_dir, body.path)
         existing = state.engine.get_adapter(body.name)
         # Idempotent: every gateway registers what its directory reports.
         if existing is not None and existing.path is not None and Path(existing.path) == path:
-            return AdapterInfoWire.of(existing)
+            return Response(encode_adapter_info(existing), media_type="application/json")
         try:
             info = await state.engine.add_adapter(body.name, str(path))
         except AdapterError as exc:
             error = WireError(kind="invalid", code="invalid_adapter", param="path",
                               message=str(exc))
             raise WorkerError(422, error) from None
-        return AdapterInfoWire.of(info)
+        return Response(encode_adapter_info(info), media_type="application/json")
 
     @router.post(REMOVE_ADAPTER_PATH)
     async def remove_adapter(body: RemoveAdapterRequest, state: StateDep) -> RemoveAdapterResponse:
         return RemoveAdapterResponse(removed=await state.engine.remove_adapter(body.name))
 
     @router.get(STATS_PATH)
-    async def stats(state: StateDep) -> WorkerStatus:
+    async def stats(state: StateDep) -> WorkerStats:
         engine = state.engine
-        return WorkerStatus(
+        return WorkerStats(
             model_id=engine.model_id,
             max_model_len=engine.max_model_len,
             ready=engine.is_ready() and not state.draining,
             draining=state.draining,
-            stats=StatsWire.of(engine.stats()),
-            residency=[PlacementWire.of(p) for p in engine.adapter_residency()],
+            stats=engine.stats(),
+            residency=engine.adapter_residency(),
         )
 
     return router

@@ -44,15 +44,6 @@ class KnownWorker:
         return name in self.registered or name in self.beat.adapters_registered
 
 
-@dataclass(frozen=True, slots=True)
-class WorkerReport:
-    """One worker for operators (/admin/engine)."""
-
-    beat: Heartbeat
-    in_rotation: bool
-    inflight: int  # this gateway's requests on it
-
-
 class WorkerPool:
     def __init__(self, model_id: str, *, recovery_beats: int = RECOVERY_BEATS) -> None:
         self.model_id = model_id
@@ -99,9 +90,9 @@ class WorkerPool:
         infos: dict[str, AdapterInfo] = {}
         holders: dict[str, set[str]] = {}
         for worker_id in sorted(workers):
-            for wire in workers[worker_id].beat.adapters_preloaded:
-                infos.setdefault(wire.name, wire.to_info())
-                holders.setdefault(wire.name, set()).add(worker_id)
+            for info in workers[worker_id].beat.adapters_preloaded:
+                infos.setdefault(info.name, info)
+                holders.setdefault(info.name, set()).add(worker_id)
         # NOTE: replaced whole, not mutated: admin routes read these from worker threads.
         self._preloaded = infos
         self._preloaded_by = {name: frozenset(ids) for name, ids in holders.items()}
@@ -142,12 +133,4 @@ class WorkerPool:
                 dedicated_tenants=frozenset(w.beat.dedicated_tenants),
             )
             for w in self.in_rotation()
-        ]
-
-    def reports(self) -> list[WorkerReport]:
-        return [
-            WorkerReport(
-                beat=w.beat, in_rotation=w.in_rotation, inflight=self.inflight[w.worker_id]
-            )
-            for w in self.all()
         ]

@@ -36,7 +36,7 @@ from app.registry.archive import CONFIG_FILE, WEIGHTS_FILE
 from engine.async_engine import AsyncEngine
 from engine.client import EngineClient, RequestRejected
 from engine.config import EngineConfig
-from engine.request import SamplingParams
+from engine.request import EngineRequest, SamplingParams
 from tests.app.test_archive import Entry, write_tar_gz, write_zip
 from tests.app.test_registry import CheckingEngine, archive_bytes
 from tests.utils.fake_engine import FakeEngine
@@ -540,14 +540,13 @@ async def test_a_deleted_adapter_lets_running_requests_finish(
         greedy = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
 
         async def run(rid: str, adapter: str | None) -> list[int]:
-            return [t async for out in tiny.engine.generate(rid, prompt, greedy,
-                                                            adapter_id=adapter)
-                    for t in out.new_token_ids]
+            request = EngineRequest(rid, tuple(prompt), greedy, adapter=adapter)
+            return [t async for out in tiny.engine.generate(request) for t in out.new_token_ids]
 
         expected = await run(f"{name}-before", name)
         assert expected != await run(f"{name}-base", None), "the adapter changes the answer"
         inflight = f"{name}-inflight"
-        stream = tiny.engine.generate(inflight, prompt, greedy, adapter_id=name)
+        stream = tiny.engine.generate(EngineRequest(inflight, tuple(prompt), greedy, adapter=name))
         first = await anext(stream)  # running, bound to this version
         # NOTE: holding the engine's lock stops its step thread before its next step (the
         # lock is reentrant, and the delete runs on this thread): the request is surely

@@ -15,12 +15,13 @@ from fastapi import FastAPI
 from sqlalchemy import Engine, select, text
 from sqlalchemy.orm import Session, sessionmaker
 
-from app.api.errors import APIError, install_exception_handlers
+from app.api.errors import install_exception_handlers, service_error
 from app.api.middleware import RequestContextMiddleware
 from app.api.routes.admin_tenants import router
 from app.api.state import AppState
 from app.billing.service import PlanCreate, create_plan
 from app.core.config import Settings
+from app.core.errors import ServiceError
 from app.core.security import hash_key, well_formed
 from app.db import make_engine, session_factory, session_scope
 from app.directory import Directory
@@ -108,9 +109,9 @@ def principal_of(api: Api, key: str) -> Any:
 
 
 def refused(api: Api, key: str) -> str:
-    with pytest.raises(APIError) as caught:
+    with pytest.raises(ServiceError) as caught:
         api.directory.authenticate(f"Bearer {key}")
-    assert caught.value.status_code == 401
+    assert service_error(caught.value).status_code == 401
     return caught.value.message
 
 
@@ -301,7 +302,7 @@ async def test_key_lifecycle(api: Api) -> None:
             session_factory(other_engine), secret=SECRET, admin_key=None, refresh_interval_s=1
         )
         replica.load()
-        with pytest.raises(APIError, match="was revoked"):
+        with pytest.raises(ServiceError, match="was revoked"):
             replica.authenticate(f"Bearer {key}")
     finally:
         other_engine.dispose()

@@ -130,6 +130,10 @@ def _chat(ctx: Ctx) -> dict[str, Any]:
     return {"model": ctx.obj, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 
 
+def _response(ctx: Ctx) -> dict[str, Any]:
+    return {"model": ctx.obj, "input": "hi", "max_output_tokens": 2}
+
+
 def _upload_as_admin(ctx: Ctx) -> dict[str, Any]:
     return {"name": _name(ctx), **({"tenant_id": ctx.obj} if ctx.obj else {})}
 
@@ -169,6 +173,8 @@ RULES: dict[str, Rule] = {
                                  json=_completion),
     "POST /v1/chat/completions": Rule(SRV, 200, "/v1/chat/completions", "model", Sees.USABLE,
                                       json=_chat),
+    "POST /v1/responses": Rule(SRV, 200, "/v1/responses", "model", Sees.USABLE,
+                               json=_response),
     "GET /v1/models": Rule(SRV, 200, "/v1/models"),
     # `:path`: model ids may hold a slash.
     "GET /v1/models/{model_id:path}": Rule(SRV, 200, "/v1/models/{}", "model", Sees.USABLE),

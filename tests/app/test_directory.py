@@ -14,8 +14,9 @@ from sqlalchemy import Engine, create_engine, event, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from app import tenants as crud
-from app.api.errors import APIError
+from app.api.errors import APIError, service_error
 from app.audit import AuditContext
+from app.core.errors import ServiceError
 from app.core.principal import AdapterRef, Principal, Quotas, TenantInfo
 from app.core.security import generate_key
 from app.db import make_engine, session_factory, session_scope
@@ -58,9 +59,9 @@ def directory(db: sessionmaker[Session], *, interval: float = 0.5, load: bool = 
 
 
 def refusal(directory: Directory, header: str | None) -> APIError:
-    with pytest.raises(APIError) as caught:
+    with pytest.raises(ServiceError) as caught:
         directory.authenticate(header)
-    error = caught.value
+    error = service_error(caught.value)
     assert (error.status_code, error.code, error.type) == (
         401, "invalid_api_key", "invalid_request_error"
     )
@@ -71,7 +72,7 @@ def refusal(directory: Directory, header: str | None) -> APIError:
 def accepted(directory: Directory, header: str) -> bool:
     try:
         directory.authenticate(header)
-    except APIError:
+    except ServiceError:
         return False
     return True
 
@@ -340,7 +341,7 @@ async def test_background_refresh_sees_a_revocation_within_a_second(
         while time.monotonic() - revoked_at < 2.0:
             try:
                 reader.authenticate(header)
-            except APIError:
+            except ServiceError:
                 break
             await asyncio.sleep(0.01)
         took = time.monotonic() - revoked_at

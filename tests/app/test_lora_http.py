@@ -16,9 +16,9 @@ import httpx
 import openai
 import pytest
 
-from app.cli import preload_adapters
 from app.core.config import Settings
 from app.main import create_app
+from app.server_options import preload_adapters
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.lora.weights import AdapterError

@@ -688,7 +688,7 @@ def test_a_hundred_streams_cut_at_once_are_all_aborted() -> None:
 
 _SERVE_FAKE = """
 import asyncio, json, sys
-from app.cli import serve_app
+from app.server_options import serve_app
 from app.core.config import Settings
 from app.main import create_app
 from tests.utils.fake_engine import FakeEngine

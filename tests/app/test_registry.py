@@ -16,9 +16,10 @@ import pytest
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from app.api.errors import APIError
+from app.api.errors import service_error
 from app.audit import AuditContext
 from app.core.config import Settings
+from app.core.errors import ServiceError
 from app.core.principal import AdapterRef
 from app.db import make_engine, session_factory, session_scope
 from app.models import Adapter, AdapterStatus, AdapterVersion, AuditLog, Tenant, utcnow
@@ -189,9 +190,9 @@ async def test_concurrent_uploads_of_one_name_get_distinct_versions(env: Env) ->
 
 async def test_engine_refusal_keeps_a_failed_version_and_nothing_else(env: Env) -> None:
     archive = env.archive(archive_bytes(config={"peft_type": "LORA", "use_dora": True}))
-    with pytest.raises(APIError) as info:
+    with pytest.raises(ServiceError) as info:
         await env.upload("dora", archive)
-    error = info.value
+    error = service_error(info.value)
     assert (error.status_code, error.code, error.param) == (422, "invalid_adapter", "file")
     # The reason as the engine gave it, without the server's directories.
     assert error.message == "adapter_config.json: use_dora=True asks for DoRA, not supported"
@@ -214,7 +215,7 @@ async def test_a_failed_upload_does_not_remove_files_a_ready_version_uses(env: E
 
     refusing.add_adapter = refuse  # type: ignore[method-assign]
     env.registry.engine = refusing
-    with pytest.raises(APIError):
+    with pytest.raises(ServiceError):
         await env.upload("again", env.archive(good))
     assert env.registry.store.digests() == [ready.sha256]
 
@@ -231,9 +232,9 @@ async def test_an_upload_no_engine_can_validate_now_is_withdrawn(env: Env) -> No
 
     env.engine.add_adapter = unavailable  # type: ignore[method-assign]
     for name in ("new", "kept", "gone"):
-        with pytest.raises(APIError) as info:
+        with pytest.raises(ServiceError) as info:
             await env.upload(name)
-        error = info.value
+        error = service_error(info.value)
         assert (error.status_code, error.code) == (503, "overloaded")
         assert error.headers == {"Retry-After": "2"}
     # A new name leaves no row; an existing one keeps its versions as they were; a
@@ -253,9 +254,9 @@ async def test_an_upload_no_engine_can_validate_now_is_withdrawn(env: Env) -> No
 
 async def test_archive_refusals_write_no_rows_and_leave_no_files(env: Env) -> None:
     bad = env.archive([Entry(CONFIG_FILE, b"{}"), Entry("adapter_model.bin", b"\x80\x04.")])
-    with pytest.raises(APIError) as info:
+    with pytest.raises(ServiceError) as info:
         await env.upload("pickled", bad)
-    assert (info.value.status_code, info.value.code) == (400, "invalid_archive")
+    assert (service_error(info.value).status_code, info.value.code) == (400, "invalid_archive")
     assert "pickle" in info.value.message
     assert (env.count(Adapter), env.count(AdapterVersion), env.count(AuditLog)) == (0, 0, 0)
     assert env.engine.add_calls == []
@@ -264,9 +265,9 @@ async def test_archive_refusals_write_no_rows_and_leave_no_files(env: Env) -> No
 
 @pytest.mark.parametrize("name", ["a/b", "a@1", "", "-lead", "x" * 65, "sp ace", "fake-model"])
 async def test_invalid_names_are_refused_before_anything(env: Env, name: str) -> None:
-    with pytest.raises(APIError) as info:
+    with pytest.raises(ServiceError) as info:
         await env.upload(name)
-    assert (info.value.status_code, info.value.code, info.value.param) == (
+    assert (service_error(info.value).status_code, info.value.code, info.value.param) == (
         400, "invalid_adapter_name", "name")
     assert env.count(AdapterVersion) == 0
 
@@ -274,9 +275,9 @@ async def test_invalid_names_are_refused_before_anything(env: Env, name: str) ->
 async def test_unknown_or_deleted_tenants_are_404(env: Env) -> None:
     env.add_tenant("ten_gone", deleted_at=utcnow())
     for tenant_id in ("ten_nope", "ten_gone"):
-        with pytest.raises(APIError) as info:
+        with pytest.raises(ServiceError) as info:
             await env.upload("x", tenant_id=tenant_id)
-        assert (info.value.status_code, info.value.param) == (404, "tenant_id")
+        assert (service_error(info.value).status_code, info.value.param) == (404, "tenant_id")
     assert env.count(Adapter) == 0
 
 
@@ -284,13 +285,14 @@ async def test_max_adapters_counts_live_names(env: Env) -> None:
     env.add_tenant("ten_a", max_adapters=2)
     a = await env.upload("a", tenant_id="ten_a", enforce_quota=True)
     await env.upload("a", tenant_id="ten_a", enforce_quota=True)  # a new version is free
-    with pytest.raises(APIError):  # a refused upload does not count
+    with pytest.raises(ServiceError):  # a refused upload does not count
         await env.upload("broken", env.archive(archive_bytes(config={"refuse": "no"})),
                          tenant_id="ten_a", enforce_quota=True)
     await env.upload("b", tenant_id="ten_a", enforce_quota=True)
-    with pytest.raises(APIError) as info:
+    with pytest.raises(ServiceError) as info:
         await env.upload("c", tenant_id="ten_a", enforce_quota=True)
-    assert (info.value.status_code, info.value.code) == (403, "max_adapters_exceeded")
+    error = service_error(info.value)
+    assert (error.status_code, error.code) == (403, "max_adapters_exceeded")
     assert "limit (max_adapters) is 2" in info.value.message
     # Admins are not held to it; deleting one frees a place.
     await env.upload("c", tenant_id="ten_a", enforce_quota=False)
@@ -324,10 +326,10 @@ async def test_delete_removes_versions_from_engine_and_unshared_files(env: Env) 
         "bot", "keeper"]
     # A deleted adapter is gone for its owner, still readable by an admin.
     assert env.registry.get_adapter(v1.adapter_id).deleted_at is not None
-    with pytest.raises(APIError) as info:
+    with pytest.raises(ServiceError) as info:
         env.registry.get_adapter(v1.adapter_id, owner="shared")
-    assert info.value.status_code == 404
-    with pytest.raises(APIError):
+    assert service_error(info.value).status_code == 404
+    with pytest.raises(ServiceError):
         await env.registry.delete(v1.adapter_id, owner=None, by=ADMIN)
     # The name comes back with the next number: bot@1 never names other content.
     again = await env.upload("bot")
@@ -349,9 +351,9 @@ async def test_deleting_while_validating_leaves_nothing_served(env: Env) -> None
     assert [v.status for v in adapter.versions] == [AdapterStatus.VALIDATING]
     await env.registry.delete(adapter.id, owner=None, by=ADMIN)
     gate.set()
-    with pytest.raises(APIError) as info:
+    with pytest.raises(ServiceError) as info:
         await upload
-    assert (info.value.status_code, info.value.code) == (409, "conflict")
+    assert (service_error(info.value).status_code, info.value.code) == (409, "conflict")
     assert env.engine.list_adapters() == []
     assert [v.status for v in env.versions()] == ["deleted"]
 
@@ -362,9 +364,9 @@ async def test_a_tenant_cannot_delete_or_see_another_owners_adapter(env: Env) ->
     mine = await env.upload("mine", tenant_id="ten_a")
     shared = await env.upload("shared-one")
     for adapter_id in (mine.adapter_id, shared.adapter_id):
-        with pytest.raises(APIError) as info:
+        with pytest.raises(ServiceError) as info:
             await env.registry.delete(adapter_id, owner="ten_b", by=ADMIN)
-        assert info.value.status_code == 404
+        assert service_error(info.value).status_code == 404
         assert info.value.message == f"No adapter with id '{adapter_id}'."
     assert len(env.engine.list_adapters()) == 2
     assert [a.name for a in env.registry.list_adapters(owner="ten_a")] == ["mine"]

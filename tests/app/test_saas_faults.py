@@ -34,7 +34,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 _SERVE_REPLICA = """
 import asyncio, json, sys
-from app.cli import serve_app
+from app.server_options import serve_app
 from app.core.config import Settings
 from app.main import create_app
 from tests.utils.fake_engine import FakeEngine

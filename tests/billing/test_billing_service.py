@@ -17,7 +17,7 @@ from sqlalchemy import func, select
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 
-from app.api.errors import APIError
+from app.api.errors import service_error
 from app.audit import AuditContext, list_audit
 from app.billing import (
     BillableUsage,
@@ -39,6 +39,7 @@ from app.billing.service import (
     list_invoices,
     list_plans,
 )
+from app.core.errors import ServiceError
 from app.db import make_engine, session_factory, session_scope
 from app.models import (
     Adapter,
@@ -188,9 +189,9 @@ def test_plans_round_trip_digit_for_digit(db: sessionmaker[Session]) -> None:
 
 def test_duplicate_plan_is_409_and_creation_is_audited(db: sessionmaker[Session]) -> None:
     new_plan(db)
-    with pytest.raises(APIError) as raised, session_scope(db) as session:
+    with pytest.raises(ServiceError) as raised, session_scope(db) as session:
         create_plan(session, PRO, actor="test", request_id=None)
-    assert raised.value.status_code == 409
+    assert service_error(raised.value).status_code == 409
     with session_scope(db) as session:
         entries = list_audit(session, action="plan.create")
         assert [(e.target_id, e.details["prompt_per_mtok"]) for e in entries] == [("pro", "1.50")]
@@ -394,13 +395,13 @@ def test_errors(db: sessionmaker[Session]) -> None:
         (dict(tenant_id=planless, period=NOV), 400, "has no price plan"),
     ]
     for kwargs, status, message in cases:
-        with pytest.raises(APIError) as raised, session_scope(db) as session:
+        with pytest.raises(ServiceError) as raised, session_scope(db) as session:
             generate_invoice(session, actor="test", request_id=None, **kwargs)
-        assert raised.value.status_code == status
+        assert service_error(raised.value).status_code == status
         assert message in raised.value.message
-    with pytest.raises(APIError) as raised, session_scope(db) as session:
+    with pytest.raises(ServiceError) as raised, session_scope(db) as session:
         finalize_invoice(session, "inv_nobody", actor="test", request_id=None)
-    assert raised.value.status_code == 404
+    assert service_error(raised.value).status_code == 404
 
 
 # ------------------------------------------------------------------------------ property

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import httpx
 
+from engine.client import WORKER_HEADER
 from engine.faults import FAULTS_ENV
-from engine.remote.protocol import WORKER_HEADER
 from tests.chaos.load import usage_rows
 from tests.utils.processes import (
     cli_process,

@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 
 from engine.async_engine import AsyncEngine
+from engine.client import RouteHint
 from engine.config import EngineConfig
-from engine.engine_core import RequestRejected
-from engine.request import SamplingParams
+from engine.errors import EngineDeadError, RequestRejected
+from engine.request import EngineRequest, SamplingParams
 from tests.utils.hf_oracle import hf_greedy
 
 pytestmark = pytest.mark.slow
@@ -26,7 +27,8 @@ def engine(smollm2_dir: Path):
 
 async def collect(engine: AsyncEngine, rid: str, ids: list[int], n: int) -> list[int]:
     tokens: list[int] = []
-    async for out in engine.generate(rid, ids, SamplingParams(max_tokens=n, temperature=0)):
+    request = EngineRequest(rid, tuple(ids), SamplingParams(max_tokens=n, temperature=0))
+    async for out in engine.generate(request):
         tokens.extend(out.new_token_ids)
     return tokens
 
@@ -42,9 +44,9 @@ async def test_concurrent_streams_match_hf(engine: AsyncEngine, smollm2_dir: Pat
 async def test_closing_the_stream_aborts_and_frees_blocks(engine: AsyncEngine) -> None:
     total = engine.stats().num_total_blocks
     ids = engine.encode("Tell me a very long story about dragons and knights.")
-    gen = engine.generate(
-        "long", ids, SamplingParams(max_tokens=500, temperature=0, ignore_eos=True)
-    )
+    gen = engine.generate(EngineRequest(
+        "long", tuple(ids), SamplingParams(max_tokens=500, temperature=0, ignore_eos=True)
+    ))
     seen = 0
     async for _ in gen:
         seen += 1
@@ -79,6 +81,27 @@ async def test_cancelled_task_aborts(engine: AsyncEngine) -> None:
 async def test_rejects_too_long(engine: AsyncEngine) -> None:
     ids = [100] * (engine.max_model_len + 1)
     with pytest.raises(RequestRejected):
-        async for _ in engine.generate("too-long", ids, SamplingParams(max_tokens=1)):
+        async for _ in engine.generate(EngineRequest("too-long", tuple(ids),
+                                                     SamplingParams(max_tokens=1))):
             pass
     assert engine.is_ready()
+
+
+async def test_runs_everything_itself(engine: AsyncEngine) -> None:
+    assert engine.route(["a", "b"], RouteHint("some-adapter", "t", dedicated=True)) is None
+    engine.release(["a", "b"])  # nothing to forget
+    [worker] = engine.workers()
+    stats = engine.stats()
+    assert (worker.id, worker.model, worker.ready) == ("local", engine.model_id, True)
+    assert worker.stats.num_total_blocks == stats.num_total_blocks
+    assert (worker.adapters, worker.residency) == (engine.list_adapters(), [])
+    assert (worker.url, worker.in_rotation, worker.inflight) == (None, None, None)
+
+
+async def test_a_stopped_engine_refuses_with_engine_failed() -> None:
+    stopped = AsyncEngine(EngineConfig(model="unused"))
+    stopped._stopping = True
+    with pytest.raises(EngineDeadError) as dead:
+        async for _ in stopped.generate(EngineRequest("r", (1,), SamplingParams())):
+            pass
+    assert dead.value.code == "engine_failed"

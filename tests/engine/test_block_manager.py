@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from engine.block_manager import BlockManager, block_key
 from engine.request import Request
-from tests.utils.factories import make_request
+from tests.utils import factories
+
+
+def make_request(*args: Any, adapter_key: str | None = None, **kwargs: Any) -> Request:
+    """A request as the engine admits it: `adapter_key` is its adapter version's key."""
+    request = factories.make_request(*args, **kwargs)
+    request.adapter_key = adapter_key
+    return request
+
 
 BS = 4
 
@@ -114,10 +124,10 @@ def test_salt_and_adapter_are_part_of_the_key(
     salt_b: str | None, adapter_b: str | None, hit: int
 ) -> None:
     bm = BlockManager(8, BS, True)
-    a = make_request("a", 10, salt="t1", adapter_id="x")
+    a = make_request("a", 10, salt="t1", adapter_key="x")
     admit(bm, a)
     compute(a)
-    b = make_request("b", 10, salt=salt_b, adapter_id=adapter_b)
+    b = make_request("b", 10, salt=salt_b, adapter_key=adapter_b)
     assert bm.get_computed_tokens(b) == hit
 
 
@@ -202,8 +212,8 @@ def test_free_forgets_blocks_whose_kv_was_never_written() -> None:
 
 def test_drop_adapter_forgets_only_that_adapter() -> None:
     bm = BlockManager(8, BS, True)
-    x = make_request("x", 8, adapter_id="x")
-    y = make_request("y", 8, adapter_id="y")
+    x = make_request("x", 8, adapter_key="x")
+    y = make_request("y", 8, adapter_key="y")
     admit(bm, x)
     admit(bm, y)
     compute(x)
@@ -213,8 +223,8 @@ def test_drop_adapter_forgets_only_that_adapter() -> None:
     assert bm.drop_adapter("x") == 2
     # Forgotten free blocks hold nothing now: they move to the head, to be reused first.
     assert bm.free_block_ids() == [1, 0, 4, 5, 6, 7]
-    assert bm.get_computed_tokens(make_request("x2", 8, adapter_id="x")) == 0
-    assert bm.get_computed_tokens(make_request("y2", 8, adapter_id="y")) == 4
+    assert bm.get_computed_tokens(make_request("x2", 8, adapter_key="x")) == 0
+    assert bm.get_computed_tokens(make_request("y2", 8, adapter_key="y")) == 4
     assert bm.drop_adapter("y") == 2  # held by y: no longer hit, still held
     assert y.block_ids == [2, 3]
     assert bm.num_cached_blocks == 0

@@ -3,13 +3,23 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from engine.client import RequestRejected
 from engine.config import EngineConfig
-from engine.engine_core import EngineCore, RequestRejected
+from engine.engine_core import EngineCore
 from engine.model_runner import decode_group_sizes
-from engine.request import Request, RequestOutput, SamplingParams
+from engine.output_processor import OutputProcessor
+from engine.request import (
+    EngineRequest,
+    Request,
+    RequestOutput,
+    RequestStatus,
+    SamplingParams,
+    TokenLogprob,
+)
 from tests.utils.hf_oracle import hf_greedy
 
 pytestmark = pytest.mark.slow
@@ -30,7 +40,7 @@ def make_core(smollm2_dir: Path, **overrides: object) -> EngineCore:
 
 
 def run_to_completion(
-    core: EngineCore, requests: list[Request], max_steps: int = 10_000
+    core: EngineCore, requests: list[EngineRequest], max_steps: int = 10_000
 ) -> dict[str, list[RequestOutput]]:
     for r in requests:
         core.add_request(r)
@@ -48,9 +58,10 @@ def token_ids(outs: list[RequestOutput]) -> list[int]:
     return [t for o in outs for t in o.new_token_ids]
 
 
-def greedy_request(rid: str, ids: list[int], n: int = NEW_TOKENS) -> Request:
-    return Request(
-        request_id=rid, prompt_token_ids=ids, sampling=SamplingParams(max_tokens=n, temperature=0)
+def greedy_request(rid: str, ids: list[int], n: int = NEW_TOKENS) -> EngineRequest:
+    return EngineRequest(
+        request_id=rid, prompt_token_ids=tuple(ids),
+        sampling=SamplingParams(max_tokens=n, temperature=0),
     )
 
 
@@ -119,13 +130,12 @@ def test_abort_frees_blocks(smollm2_dir, prompt_ids) -> None:
     core = make_core(smollm2_dir, enable_prefix_caching=False)
     total = core.block_manager.num_free_blocks
     reqs = [greedy_request(f"a{i}", ids, n=200) for i, ids in enumerate(prompt_ids)]
-    for r in reqs:
-        core.add_request(r)
+    states = [core.add_request(r) for r in reqs]
     for _ in range(3):
         core.step()
     held = total - core.block_manager.num_free_blocks
     assert held >= len(reqs)
-    a0_blocks = len(reqs[0].block_ids)
+    a0_blocks = len(states[0].block_ids)
     assert a0_blocks > 0
     out = core.abort_request("a0")
     assert out is not None and out.finished and out.finish_reason == "abort"
@@ -157,7 +167,7 @@ def test_context_rejections_are_worded_as_openai_s(tiny_model_factory) -> None:
         )
         assert (err.value.code, err.value.param) == ("context_length_exceeded", param)
     with pytest.raises(RequestRejected, match=rf"you requested {context + 8} tokens "
-                       rf"\({context - 2} in the prompt, 10 in the completion\)"):
+                       rf"\({context - 2} in the messages, 10 in the completion\)"):
         core.check_request(context - 2, 10)
 
 
@@ -168,9 +178,9 @@ def test_stop_string_and_max_tokens(smollm2_dir, prompt_ids, expected) -> None:
     full_text = tok.decode(expected[0], skip_special_tokens=True)
     stop = full_text.strip().split()[1]  # a word that appears after the start
     core = make_core(smollm2_dir)
-    req = Request(
+    req = EngineRequest(
         request_id="s",
-        prompt_token_ids=prompt_ids[0],
+        prompt_token_ids=tuple(prompt_ids[0]),
         sampling=SamplingParams(max_tokens=NEW_TOKENS, temperature=0, stop=[stop]),
     )
     outs = run_to_completion(core, [req])["s"]
@@ -186,6 +196,52 @@ def test_stop_string_and_max_tokens(smollm2_dir, prompt_ids, expected) -> None:
     outs2 = run_to_completion(core2, [greedy_request("m", prompt_ids[0], n=3)])["m"]
     assert outs2[-1].finish_reason == "length"
     assert token_ids(outs2) == expected[0][:3]
+
+
+def test_output_processor_stops_on_eos_stop_ids_and_length(smollm2_dir) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    finished: list[tuple[str, RequestStatus]] = []
+
+    def finish(request: Request, status: RequestStatus) -> None:
+        request.status = status
+        finished.append((request.request_id, status))
+
+    proc = OutputProcessor(tok, [7], max_model_len=6, finish=finish)
+    assert proc.eos_token_ids == {7, tok.eos_token_id}
+    hello = tok("Hello world").input_ids
+
+    def request(rid: str, **sampling: Any) -> Request:
+        r = Request(rid, [1, 2], SamplingParams(**{"max_tokens": 3, **sampling}))
+        proc.add(r)
+        return r
+
+    eos = request("eos")
+    out = proc.append_token(eos, 7, None, 0.5)
+    assert (out.new_token_ids, out.new_text, out.finished, out.finish_reason) == (
+        [7], "", True, "stop")
+    assert eos.first_token_time == 0.5 and "eos" not in proc
+    ignoring = request("ignore", ignore_eos=True, stop_token_ids=[9])
+    assert not proc.append_token(ignoring, 7, None, 1.0).finished
+    assert proc.append_token(ignoring, 9, None, 1.0).finish_reason == "stop"
+    long = request("length", max_tokens=2)
+    first = proc.append_token(long, hello[0], TokenLogprob(hello[0], -0.1, []), 1.0)
+    assert first.new_text == tok.decode(hello[:1]) and not first.finished
+    assert first.new_token_texts == [proc.token_text(hello[0])]
+    assert [lp.logprob for lp in first.new_logprobs] == [-0.1]
+    assert proc.append_token(long, hello[1], None, 1.0).finish_reason == "length"
+    context = request("context", max_tokens=100)
+    for token in (hello * 4)[:3]:
+        assert not proc.append_token(context, token, None, 1.0).finished
+    assert proc.append_token(context, hello[0], None, 1.0).finish_reason == "length"  # 6 tokens
+    assert finished == [
+        ("eos", RequestStatus.FINISHED_STOPPED),
+        ("ignore", RequestStatus.FINISHED_STOPPED),
+        ("length", RequestStatus.FINISHED_LENGTH),
+        ("context", RequestStatus.FINISHED_LENGTH),
+    ]
+    assert proc.pop("context") is None
 
 
 @pytest.mark.parametrize("variant", ["llama_gqa", "qwen2_bias", "llama_mha_untied"])

@@ -13,11 +13,26 @@ import pytest
 from engine.block_manager import BlockManager
 from engine.client import RequestRejected
 from engine.config import EngineConfig
-from engine.engine_core import EngineCore, check_tenant_limits
-from engine.request import Request, RequestStatus, SchedulerOutput, TenantContext
+from engine.engine_core import EngineCore
+from engine.limits import ContextLimits, resolve_max_tokens
+from engine.request import (
+    EngineRequest,
+    Request,
+    RequestStatus,
+    SchedulerOutput,
+    TenantContext,
+)
 from engine.scheduler import Scheduler
 from tests.engine.test_scheduler import _check_invariants, chunks, run_all, step
-from tests.utils.factories import make_request
+from tests.utils import factories
+
+
+def make_request(*args: Any, adapter_key: str | None = None, **kwargs: Any) -> Request:
+    """A request as the engine admits it: `adapter_key` is its adapter version's key."""
+    request = factories.make_request(*args, **kwargs)
+    request.adapter_key = adapter_key
+    return request
+
 
 BS = 4
 A = TenantContext("A")
@@ -63,6 +78,12 @@ def req(
     )
     request.tenant = tenant
     return request
+
+
+def submitted(request: Request) -> EngineRequest:
+    """What a caller hands the engine for `request`."""
+    return EngineRequest(request.request_id, tuple(request.prompt_token_ids), request.sampling,
+                         tenant=request.tenant)
 
 
 def admitted(out: SchedulerOutput) -> list[str]:
@@ -347,18 +368,20 @@ def test_deferred_tenant_goes_when_the_others_cannot() -> None:
 
 
 def test_tenant_limits() -> None:
-    limits = TenantContext("A", max_tokens=100, max_context_tokens=300)
-    check_tenant_limits(limits, 200, 100)
-    with pytest.raises(RequestRejected, match="at most 100 per request") as info:
-        check_tenant_limits(limits, 10, 101)
+    limits = ContextLimits.of(10**6, TenantContext("A", max_tokens=100, max_context_tokens=300))
+    assert resolve_max_tokens(limits, 200, 100, prompt_param="messages") == 100
+    with pytest.raises(RequestRejected, match="limit of 100 tokens per request") as info:
+        resolve_max_tokens(limits, 10, 101, prompt_param="messages")
     assert (info.value.code, info.value.param) == ("max_tokens_exceeded", "max_tokens")
-    with pytest.raises(RequestRejected, match=r"prompt \(201 tokens\) plus max_tokens") as info:
-        check_tenant_limits(limits, 201, 100)
+    with pytest.raises(RequestRejected, match=r"the prompt has 201 tokens and 'max_tokens' "
+                       r"asks for 100 more \(301 in total\)") as info:
+        resolve_max_tokens(limits, 201, 100, prompt_param="messages")
     assert (info.value.code, info.value.param) == ("context_length_exceeded", "max_tokens")
-    with pytest.raises(RequestRejected, match="the prompt has 300 tokens") as info:
-        check_tenant_limits(limits, 300, 1)
+    with pytest.raises(RequestRejected, match="the prompt alone has 300 tokens") as info:
+        resolve_max_tokens(limits, 300, 1, prompt_param="messages")
     assert (info.value.code, info.value.param) == ("context_length_exceeded", "messages")
-    check_tenant_limits(TenantContext("B"), 10**6, 10**6)  # no limits
+    no_limits = ContextLimits.of(10**7, TenantContext("B"))
+    assert resolve_max_tokens(no_limits, 10**6, 10**6) == 10**6
 
 
 def test_engine_rejects_what_the_tenant_may_not_ask(
@@ -367,14 +390,14 @@ def test_engine_rejects_what_the_tenant_may_not_ask(
     core = EngineCore(EngineConfig(model=str(tiny_model_factory("llama_gqa")), max_loras=0))
     limited = TenantContext("A", max_tokens=8, max_context_tokens=20)
     with pytest.raises(RequestRejected) as info:
-        core.add_request(req("r0", limited, 4, max_tokens=9))
+        core.add_request(submitted(req("r0", limited, 4, max_tokens=9)))
     assert info.value.code == "max_tokens_exceeded"
     with pytest.raises(RequestRejected) as info:
-        core.add_request(req("r1", limited, 13, max_tokens=8))
+        core.add_request(submitted(req("r1", limited, 13, max_tokens=8)))
     assert info.value.code == "context_length_exceeded"
     assert not core.has_unfinished_requests()
-    core.add_request(req("r2", limited, 12, max_tokens=8))
-    core.add_request(req("r3", None, 100, max_tokens=50))  # no tenant, no tenant limits
+    core.add_request(submitted(req("r2", limited, 12, max_tokens=8)))
+    core.add_request(submitted(req("r3", None, 100, max_tokens=50)))  # no tenant, no tenant limits
     assert core.scheduler.num_waiting == 2
 
 
@@ -429,7 +452,7 @@ def test_random_tenants_keep_invariants_and_finish(seed: int) -> None:
                 rng.randrange(1, 16),
                 max_tokens=rng.randrange(1, 10),
                 priority=rng.randrange(3),
-                adapter_id=rng.choice([None, "x", "y", "z"]),
+                adapter_key=rng.choice([None, "x", "y", "z"]),
                 arrival_time=clock.now,
             )
             s.add_request(request)

@@ -12,10 +12,11 @@ from typing import Any
 import pytest
 import torch
 
+from engine.client import RequestRejected
 from engine.config import EngineConfig
-from engine.engine_core import EngineCore, RequestRejected
+from engine.engine_core import EngineCore
 from engine.lora.weights import AdapterError
-from engine.request import Request, SamplingParams
+from engine.request import EngineRequest, SamplingParams
 from tests.utils.hf_oracle import hf_greedy, peft_greedy
 from tests.utils.peft_adapters import make_peft_adapter
 from tests.utils.tiny_models import random_prompt
@@ -50,16 +51,18 @@ def make_core(base: Path, **overrides: Any) -> EngineCore:
     return EngineCore(EngineConfig(model=str(base), **overrides))
 
 
-def greedy(rid: str, prompt: list[int], adapter: str | None) -> Request:
-    return Request(
+def greedy(rid: str, prompt: list[int], adapter: str | None) -> EngineRequest:
+    return EngineRequest(
         request_id=rid,
-        prompt_token_ids=prompt,
+        prompt_token_ids=tuple(prompt),
         sampling=SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True),
-        adapter_id=adapter,
+        adapter=adapter,
     )
 
 
-def run(core: EngineCore, requests: list[Request], max_steps: int = 2000) -> dict[str, list[int]]:
+def run(
+    core: EngineCore, requests: list[EngineRequest], max_steps: int = 2000
+) -> dict[str, list[int]]:
     for r in requests:
         core.add_request(r)
     tokens: dict[str, list[int]] = {r.request_id: [] for r in requests}
@@ -166,7 +169,7 @@ def test_resident_adapter_does_not_wait_for_another_load(
     core.add_adapter("attn", adapters["attn"])  # evicts qv's host copy (capacity 1)
     run(core, [greedy("warm", [5, 6], "attn")])  # attn now in a device slot
     release = threading.Event()
-    original = core._reload_adapter
+    original = core.adapters.reload
 
     def slow_reload(key: str):  # type: ignore[no-untyped-def]
         release.wait(30)
@@ -221,6 +224,58 @@ def test_abort_releases_the_adapter_pin_and_reservation(tiny_with_adapters) -> N
     assert not core.has_unfinished_requests()
 
 
+def test_a_request_keeps_its_adapter_name_and_runs_on_the_version_it_was_bound_to(
+    tiny_with_adapters,
+) -> None:
+    base, adapters = tiny_with_adapters
+    core = make_core(base, max_loras=2)
+    first = core.add_adapter("x", adapters["qv"])
+    state = core.add_request(greedy("a", [5, 6, 7], "x"))
+    second = core.add_adapter("x", adapters["mlp"])  # a new version while "a" waits
+    assert (state.adapter_id, state.adapter_key) == ("x", first.key)
+    later = core.add_request(greedy("b", [5, 6, 7], "x"))
+    assert (later.adapter_id, later.adapter_key) == ("x", second.key)
+    got = run(core, [])
+    assert got["a"] == peft_greedy(base, adapters, "qv", [5, 6, 7], NEW_TOKENS)
+    assert got["b"] == peft_greedy(base, adapters, "mlp", [5, 6, 7], NEW_TOKENS)
+
+
+def test_a_request_whose_adapter_cannot_be_loaded_fails_alone(
+    tiny_with_adapters, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    base, adapters = tiny_with_adapters
+    core = make_core(base, max_loras=2, max_cpu_loras=1)
+    core.add_adapter("qv", adapters["qv"])
+    core.add_adapter("attn", adapters["attn"])  # evicts qv's host copy: it loads from disk
+    cache = core.adapter_cache
+    assert cache is not None
+
+    reload = core.adapters.reload
+
+    def broken_reload(key: str) -> Any:
+        if key.startswith("qv#"):
+            raise AdapterError(f"{key}: the directory is gone")
+        return reload(key)
+
+    monkeypatch.setattr(cache, "_load", broken_reload)
+    core.add_request(greedy("lost", [5, 6, 7], "qv"))
+    core.add_request(greedy("fine", [5, 6, 7], "attn"))
+    failures: dict[str, BaseException] = {}
+    done: set[str] = set()
+    for _ in range(200):
+        result = core.step()
+        failures.update(result.failures)
+        done.update(out.request_id for out in result.outputs if out.finished)
+        if not core.has_unfinished_requests():
+            break
+        if result.idle:
+            time.sleep(0.01)  # adapter loads run on the loader thread
+    assert list(failures) == ["lost"] and done == {"fine"}
+    assert str(failures["lost"]).startswith("adapter 'qv' could not be loaded: ")
+    assert "the directory is gone" in str(failures["lost"])
+    assert all(r.pins == 0 and r.reservations == 0 for r in cache.resident())
+
+
 @pytest.mark.parametrize("name", ["", "has space", "x@2", "-leading", "a" * 129])
 def test_invalid_adapter_names_are_refused(tiny_with_adapters, name: str) -> None:
     base, adapters = tiny_with_adapters
@@ -230,3 +285,54 @@ def test_invalid_adapter_names_are_refused(tiny_with_adapters, name: str) -> Non
     with pytest.raises(AdapterError, match="base model"):
         core.add_adapter(base.name, adapters["qv"])
     assert core.list_adapters() == []
+
+
+# ---------------------------------------------------------------------------- Qwen3, Phi-3
+
+FAMILY_SPECS: dict[str, dict[str, dict[str, Any]]] = {
+    "qwen3": {
+        "qk": {"r": 4, "alpha": 8, "targets": ("q_proj", "k_proj"), "seed": 41},
+        "mlp": {"r": 6, "alpha": 3, "targets": ("gate_proj", "up_proj", "down_proj"), "seed": 42},
+        "all": {"r": 16, "alpha": 8, "targets": ALL_LINEAR, "use_rslora": True, "seed": 43},
+    },
+    # Phi-3 checkpoints fuse q/k/v and gate/up; its adapters target the fused modules.
+    "phi3": {
+        "qkv": {"r": 4, "alpha": 8, "targets": ("qkv_proj",), "seed": 51},
+        "mlp": {"r": 6, "alpha": 3, "targets": ("gate_up_proj", "down_proj"), "seed": 52},
+        "all": {
+            "r": 16,
+            "alpha": 8,
+            "targets": ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"),
+            "seed": 53,
+        },
+    },
+}
+
+
+@pytest.mark.parametrize("variant", sorted(FAMILY_SPECS))
+def test_qwen3_and_phi3_mixed_batches_match_peft_per_adapter(
+    variant: str, tiny_model_factory: Callable[[str], Path], tmp_path: Path
+) -> None:
+    base = tiny_model_factory(variant)
+    adapters = {
+        name: make_peft_adapter(base, tmp_path / name, **spec)
+        for name, spec in FAMILY_SPECS[variant].items()
+    }
+    # Fewer device slots (2) than adapters (3): slots are reused while requests wait.
+    core = make_core(base, max_loras=2, max_cpu_loras=3, max_lora_rank=16)
+    for name, path in adapters.items():
+        core.add_adapter(name, path)
+    prompts = [random_prompt(n, seed=n) for n in (6, 21)]
+    requests = [
+        greedy(f"{name or 'base'}-{i}", prompt, name)
+        for i, prompt in enumerate(prompts)
+        for name in [*adapters, None]
+    ]
+    got = run(core, requests)
+    for i, prompt in enumerate(prompts):
+        want_base = hf_greedy(base, prompt, NEW_TOKENS, ignore_eos=True)
+        assert got[f"base-{i}"] == want_base
+        for name in adapters:
+            want = peft_greedy(base, adapters, name, prompt, NEW_TOKENS)
+            assert want != want_base, name
+            assert got[f"{name}-{i}"] == want, (variant, name, i)

@@ -137,3 +137,47 @@ def test_cleared_slot_adds_nothing_and_reinstall_replaces() -> None:
     cleared = torch.zeros(3, 80)
     group.apply(cleared, x, segs)
     assert torch.count_nonzero(cleared) == 0
+
+
+@pytest.mark.parametrize("use_kernels", [False, True])
+def test_single_slice_group_adds_the_fused_module_delta(use_kernels: bool) -> None:
+    """A group carrying one module over its whole output (Phi-3's fused qkv_proj)."""
+    g = torch.Generator().manual_seed(4)
+    out = sum(SLICES)
+    a, b = torch.randn(6, IN, generator=g), torch.randn(out, 6, generator=g)
+    group = LoRAGroup(
+        2, MAX_RANK, IN, (out,), device=torch.device("cpu"), dtype=torch.float32,
+        use_kernels=use_kernels,
+    )
+    group.set_slot(1, [LoRAModule(a=a, b=b, scaling=0.25)])
+    x = torch.randn(5, IN, generator=g)
+    segs = ref.LoRASegments.from_token_slots([1, -1, 1, 1, -1])
+    assert segs is not None
+    y = torch.zeros(5, out)
+    group.apply(y, x, segs)
+    want = 0.25 * (x @ a.T) @ b.T
+    torch.testing.assert_close(y[[0, 2, 3]], want[[0, 2, 3]], rtol=1e-5, atol=1e-4)
+    assert torch.count_nonzero(y[[1, 4]]) == 0
+
+
+def test_slots_install_each_groups_modules_by_name() -> None:
+    """LoRASlots routes an adapter's modules by the architecture's group -> modules map."""
+    from engine.lora.layers import LoRASlots
+    from engine.lora.weights import LoRAWeights
+
+    g = torch.Generator().manual_seed(5)
+    cpu = torch.device("cpu")
+    fused = LoRAGroup(2, MAX_RANK, IN, (80,), device=cpu, dtype=torch.float32)
+    split = LoRAGroup(2, MAX_RANK, IN, SLICES, device=cpu, dtype=torch.float32)
+    slots = LoRASlots(
+        [{"qkv": fused, "split": split}], {"qkv": ("qkv_proj",), "split": ("a", "b", "c")}
+    )
+    assert (slots.num_slots, slots.max_rank) == (2, MAX_RANK)
+    module = LoRAModule(torch.randn(3, IN, generator=g), torch.randn(80, 3, generator=g), 1.0)
+    only_b = LoRAModule(torch.randn(2, IN, generator=g), torch.randn(16, 2, generator=g), 1.0)
+    weights = LoRAWeights("w", None, 3, 3.0, False, {(0, "qkv_proj"): module, (0, "b"): only_b})
+    slots.install(1, weights)
+    assert fused.ranks[1].tolist() == [3]
+    assert split.ranks[1].tolist() == [0, 2, 0]
+    slots.clear(1)
+    assert not fused.slot_active[1] and not split.slot_active[1]

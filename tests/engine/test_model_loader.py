@@ -164,7 +164,7 @@ def test_unsupported_model_type_lists_supported(tiny_dir: Path) -> None:
     with pytest.raises(ModelLoadError) as e:
         validate_model_dir(tiny_dir)
     assert "unsupported model_type 'gpt2'" in str(e.value)
-    assert "supported: llama, mistral, qwen2" in str(e.value)
+    assert "supported: llama, mistral, phi3, qwen2, qwen3" in str(e.value)
 
 
 def test_pickle_weights_are_refused_unopened(tiny_dir: Path) -> None:

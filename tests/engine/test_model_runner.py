@@ -109,6 +109,24 @@ def test_prepare_inputs_layout(tiny_model_factory) -> None:
     assert inputs.sample_indices.tolist() == [0, 1, 17]
 
 
+def test_prepare_inputs_lora_rows_follow_the_adapter_version(tiny_model_factory) -> None:
+    runner = _runner(tiny_model_factory("llama_gqa"), kv_cache_tokens=256, max_loras=2)
+    decode = _request("d", [5, 6, 7], [4], outputs=[8])
+    decode.num_computed_tokens = 3
+    decode.adapter_id, decode.adapter_key = "x", "x#2"
+    base = _request("b", [10, 11], [5])
+    prefill = _request("p", [20, 21, 22], [6])
+    prefill.adapter_id, prefill.adapter_key = "x", "x#1"  # an older version, still running
+    chunks = [ScheduledChunk(decode, 3, 1), ScheduledChunk(base, 0, 2),
+              ScheduledChunk(prefill, 0, 3)]
+    inputs = runner.prepare_inputs(chunks, {"x#1": 0, "x#2": 1})
+    assert inputs.lora is not None
+    # Rows: the decode (0), the base prefill (1, 2), the other prefill (3..5); by slot.
+    assert inputs.lora.segments == ((0, 3, 0), (3, 4, 1))
+    assert inputs.lora.token_indices.tolist() == [3, 4, 5, 0]
+    assert runner.prepare_inputs([ScheduledChunk(base, 0, 2)]).lora is None
+
+
 def test_single_token_chunk_after_a_prefill_is_not_a_decode(tiny_model_factory) -> None:
     runner = _runner(tiny_model_factory("llama_gqa"), kv_cache_tokens=256)
     r1 = _request("r1", [5, 6, 7], [4])

@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from engine.lora.peft import load_peft_adapter
-from engine.lora.weights import TARGET_MODULES, AdapterError, LoRAWeights
+from engine.lora.weights import AdapterError, LoRAWeights
 from engine.model_loader import ModelConfig, validate_model_dir
+from engine.models.llama import LlamaForCausalLM
 from kernels.reference import interleave_rope_rows
 from tests.utils.peft_adapters import (
     DEFAULT_RELATIVE_DELTA,
@@ -31,6 +32,13 @@ from tests.utils.peft_adapters import (
 )
 
 ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+PHI3_TARGETS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+# Module -> how many of its leading output rows are q / k heads, which rope rotates.
+_ROPE_ROWS: dict[str, Callable[[ModelConfig], int]] = {
+    "q_proj": lambda c: c.q_size,
+    "k_proj": lambda c: c.kv_size,
+    "qkv_proj": lambda c: c.q_size + c.kv_size,
+}
 _WEIGHT_NAME = re.compile(r"^model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.weight$")
 
 
@@ -110,8 +118,21 @@ def _dense(weights: LoRAWeights, key: tuple[int, str]) -> torch.Tensor:
         ("llama_mha_untied", 16, 8, "all-linear", True, {}),
         ("qwen2_bias", 3, 5, r".*\.(k_proj|down_proj)", False, {}),
         ("llama_gqa", 5, 7, ALL_TARGETS, False, {"layers_to_transform": [1]}),
+        ("qwen3", 4, 8, ALL_TARGETS, False, {}),
+        ("phi3", 4, 8, PHI3_TARGETS, False, {}),
+        ("phi3", 2, 4, "all-linear", True, {}),
     ],
-    ids=["qv", "attention-rslora", "mlp", "all-linear", "regex", "one-layer"],
+    ids=[
+        "qv",
+        "attention-rslora",
+        "mlp",
+        "all-linear",
+        "regex",
+        "one-layer",
+        "qwen3",
+        "phi3-fused",
+        "phi3-all-linear",
+    ],
 )
 def test_dense_delta_equals_peft_merged_weights(
     tiny_model_factory: Callable[[str], Path],
@@ -147,8 +168,10 @@ def test_dense_delta_equals_peft_merged_weights(
         assert module.scaling == pytest.approx(scaling)
         assert module.a.dtype == module.b.dtype == torch.float32
         assert module.a.is_contiguous() and module.b.is_contiguous()
-        if key[1] in ("q_proj", "k_proj"):
-            delta = interleave_rope_rows(delta, config.head_dim)
+        rotated = _ROPE_ROWS.get(key[1], lambda c: 0)(config)
+        if rotated:  # the q and k heads' rows, in the model's pair-interleaved order
+            head_rows = interleave_rope_rows(delta[:rotated], config.head_dim)
+            delta = torch.cat((head_rows, delta[rotated:]))
         torch.testing.assert_close(_dense(weights, key).float(), delta, rtol=1e-4, atol=1e-5)
 
 
@@ -242,7 +265,7 @@ def test_name_dtype_and_adapter_name_infix(adapter: Path, gqa_config: ModelConfi
     edit_adapter_tensors(adapter, rename=lambda n: n.replace(".weight", ".default.weight"))
     infixed = load_peft_adapter(adapter, gqa_config, max_rank=4, name="t1/a", dtype=torch.bfloat16)
     assert (plain.name, infixed.name) == ("my-adapter", "t1/a")
-    assert plain.target_modules == TARGET_MODULES
+    assert plain.target_modules == LlamaForCausalLM.target_modules() == set(ALL_TARGETS)
     assert set(infixed.modules) == set(plain.modules)
     for key, module in infixed.modules.items():
         assert module.a.dtype == module.b.dtype == torch.bfloat16

@@ -43,6 +43,42 @@ def test_parameter_count_of_known_models() -> None:
     assert count_parameters(llama3) == 8_030_261_248
 
 
+# Published sizes: Phi-3-mini (3.82B) and Qwen3-8B (8.19B).
+_PHI3_MINI = {
+    "model_type": "phi3", "vocab_size": 32064, "hidden_size": 3072, "intermediate_size": 8192,
+    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
+    "tie_word_embeddings": False,
+}
+_QWEN3_8B = {
+    "model_type": "qwen3", "vocab_size": 151936, "hidden_size": 4096,
+    "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32,
+    "num_key_value_heads": 8, "head_dim": 128, "tie_word_embeddings": False,
+}
+
+
+def test_parameter_count_of_known_qwen3_and_phi3_models() -> None:
+    assert count_parameters(parse_model_config(_PHI3_MINI)) == 3_821_079_552
+    assert count_parameters(parse_model_config(_QWEN3_8B)) == 8_190_735_360
+
+
+def test_phi3_adapter_slots_match_the_engine_buffers() -> None:
+    """Phi-3's groups are single fused modules: one slice spanning the fused output."""
+    cfg = parse_model_config(_PHI3_MINI)
+    slots, rank = 2, 16
+    groups = {
+        "qkv": (cfg.hidden_size, (cfg.q_size + 2 * cfg.kv_size,)),
+        "o": (cfg.q_size, (cfg.hidden_size,)),
+        "gate_up": (cfg.hidden_size, (2 * cfg.intermediate_size,)),
+        "down": (cfg.intermediate_size, (cfg.hidden_size,)),
+    }
+    per_layer = 0
+    for fin, sizes in groups.values():
+        group = LoRAGroup(slots, rank, fin, sizes, device=torch.device("meta"),
+                          dtype=torch.bfloat16, use_kernels=True)
+        per_layer += (group.lora_a.numel() + group.lora_b.numel()) * 2
+    assert adapter_slot_bytes(cfg, slots, rank, "bfloat16") == per_layer * cfg.num_layers
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_kv_bytes_per_token_match_the_engine_cache(dtype: str) -> None:
     cfg = load_model_config(MODELS / "smollm2-135m")

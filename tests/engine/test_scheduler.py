@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import pytest
 
@@ -10,7 +11,15 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.request import Request, RequestStatus, SchedulerOutput
 from engine.scheduler import Scheduler
-from tests.utils.factories import make_request
+from tests.utils import factories
+
+
+def make_request(*args: Any, adapter_key: str | None = None, **kwargs: Any) -> Request:
+    """A request as the engine admits it: `adapter_key` is its adapter version's key."""
+    request = factories.make_request(*args, **kwargs)
+    request.adapter_key = adapter_key
+    return request
+
 
 BS = 4
 
@@ -257,11 +266,11 @@ def test_max_loras_skips_then_holds_for_the_head() -> None:
     specs = [("a", "x", 2), ("b", "y", 1), ("c", "x", 1), ("d", None, 3)]
     for i, (name, adapter, max_tokens) in enumerate(specs):
         s.add_request(
-            make_request(name, 4, max_tokens=max_tokens, adapter_id=adapter, first_token=10 * i)
+            make_request(name, 4, max_tokens=max_tokens, adapter_key=adapter, first_token=10 * i)
         )
     # b is blocked but not yet the head: c (same adapter as a) and d (base model) pass.
     assert chunks(step(s)) == [("a", 0, 4), ("c", 0, 4), ("d", 0, 4)]
-    s.add_request(make_request("e", 4, max_tokens=1, adapter_id="x", first_token=40))
+    s.add_request(make_request("e", 4, max_tokens=1, adapter_key="x", first_token=40))
     # b is the head now and still blocked: e (adapter x, which fits) is held back.
     assert chunks(step(s)) == [("a", 4, 1), ("d", 4, 1)]
     assert chunks(step(s)) == [("d", 5, 1), ("b", 0, 4)]
@@ -271,13 +280,13 @@ def test_max_loras_skips_then_holds_for_the_head() -> None:
 
 def test_adapter_stream_does_not_starve_the_head() -> None:
     s = make_scheduler(max_loras=1)
-    s.add_request(make_request("x0", 4, max_tokens=3, adapter_id="x"))
-    s.add_request(make_request("y", 4, max_tokens=1, adapter_id="y", first_token=50))
+    s.add_request(make_request("x0", 4, max_tokens=3, adapter_key="x"))
+    s.add_request(make_request("y", 4, max_tokens=1, adapter_key="y", first_token=50))
     admitted_at: dict[str, int] = {}
     for n in range(1, 12):
-        s.add_request(make_request(f"x{n}", 4, max_tokens=3, adapter_id="x"))
+        s.add_request(make_request(f"x{n}", 4, max_tokens=3, adapter_key="x"))
         out = step(s)
-        adapters = {c.request.adapter_id for c in out.chunks}
+        adapters = {c.request.adapter_key for c in out.chunks}
         assert len(adapters) <= 1
         for c in out.chunks:
             admitted_at.setdefault(c.request.request_id, n)
@@ -303,8 +312,8 @@ def _check_invariants(s: Scheduler, out: SchedulerOutput) -> None:
     cfg = s.config
     assert out.num_tokens <= cfg.max_num_batched_tokens
     assert s.num_running <= cfg.max_num_seqs
-    assert len({c.request.adapter_id for c in out.chunks} - {None}) <= cfg.max_loras
-    assert len({r.adapter_id for r in s.running} - {None}) <= cfg.max_loras
+    assert len({c.request.adapter_key for c in out.chunks} - {None}) <= cfg.max_loras
+    assert len({r.adapter_key for r in s.running} - {None}) <= cfg.max_loras
     kinds = [c.num_tokens == 1 and c.start >= c.request.num_prompt_tokens for c in out.chunks]
     assert kinds == sorted(kinds, reverse=True)  # decodes, then prefills
     bm = s.block_manager
@@ -336,7 +345,7 @@ def test_random_workload_keeps_invariants_and_frees_everything(seed: int) -> Non
                 prompt,
                 max_tokens=rng.randrange(1, 10),
                 priority=rng.randrange(2),
-                adapter_id=rng.choice([None, "x", "y", "z"]),
+                adapter_key=rng.choice([None, "x", "y", "z"]),
                 salt=rng.choice([None, "t"]),
             )
             s.add_request(request)

@@ -18,7 +18,7 @@ from engine.client import EngineStepError
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore
 from engine.faults import FAULTS_ENV, FaultPlan
-from engine.request import Request, RequestOutput, SamplingParams
+from engine.request import EngineRequest, Request, RequestOutput, SamplingParams
 from tests.utils.peft_adapters import make_peft_adapter
 from tests.utils.tiny_models import random_prompt
 
@@ -31,12 +31,14 @@ def _config(model_dir: Path, **overrides: Any) -> EngineConfig:
                         **overrides)
 
 
-def _greedy(rid: str, prompt: list[int], *, adapter: str | None = None, n: int = 8) -> Request:
-    return Request(rid, list(prompt), SamplingParams(max_tokens=n, temperature=0,
-                                                     ignore_eos=True), adapter_id=adapter)
+def _greedy(
+    rid: str, prompt: list[int], *, adapter: str | None = None, n: int = 8
+) -> EngineRequest:
+    return EngineRequest(rid, tuple(prompt), SamplingParams(max_tokens=n, temperature=0,
+                                                            ignore_eos=True), adapter=adapter)
 
 
-def _run(core: EngineCore, requests: list[Request]) -> tuple[
+def _run(core: EngineCore, requests: list[EngineRequest]) -> tuple[
     dict[str, list[int]], dict[str, BaseException]
 ]:
     tokens: dict[str, list[int]] = {r.request_id: [] for r in requests}
@@ -55,7 +57,7 @@ def _run(core: EngineCore, requests: list[Request]) -> tuple[
     return tokens, failures
 
 
-def _good_requests(adapter: str | None) -> list[Request]:
+def _good_requests(adapter: str | None) -> list[EngineRequest]:
     return [
         _greedy("a", random_prompt(12, seed=1)),
         _greedy("b", random_prompt(30, seed=2), adapter=adapter),
@@ -144,7 +146,9 @@ def test_a_broken_device_fails_the_engine_for_good(
     engine.start_sync()
 
     async def one(rid: str) -> list[RequestOutput]:
-        return [o async for o in engine.generate(rid, [5, 6, 7], SamplingParams(max_tokens=2))]
+        return [o async for o in engine.generate(
+            EngineRequest(rid, (5, 6, 7), SamplingParams(max_tokens=2))
+        )]
 
     async def scenario() -> None:
         with pytest.raises(EngineStepError):
@@ -180,11 +184,14 @@ def test_requests_that_break_the_model_alone_never_fail_the_engine(
     async def scenario() -> None:
         for i in range(4):
             with pytest.raises(EngineStepError):
-                async for _ in engine.generate(f"p{i}", [1, *POISON], SamplingParams()):
+                async for _ in engine.generate(
+                    EngineRequest(f"p{i}", (1, *POISON), SamplingParams())
+                ):
                     pass
         assert engine.failure() is None
-        outs = [o async for o in engine.generate("ok", [1, 2, 3], SamplingParams(max_tokens=3,
-                                                                                ignore_eos=True))]
+        outs = [o async for o in engine.generate(
+            EngineRequest("ok", (1, 2, 3), SamplingParams(max_tokens=3, ignore_eos=True))
+        )]
         assert outs[-1].finished and outs[-1].num_output_tokens == 3
         await engine.shutdown()
 

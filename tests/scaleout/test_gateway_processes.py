@@ -18,8 +18,8 @@ from sqlalchemy import func, select
 
 from app.db import make_engine, session_factory, session_scope
 from app.models import Adapter, AdapterVersion
+from engine.client import WORKER_HEADER
 from engine.remote.heartbeat import HeartbeatPublisher, make_identity
-from engine.remote.protocol import WORKER_HEADER
 from engine.remote.worker_app import create_worker_app
 from tests.app.test_registry import CheckingEngine
 from tests.utils.live_server import serve_in_thread

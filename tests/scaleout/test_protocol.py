@@ -1,77 +1,107 @@
-"""The wire format: every engine type survives JSON unchanged, and stays in step with the
-dataclasses it carries."""
+"""The wire format: every engine value survives JSON unchanged, unknown fields are refused
+(but ignored in heartbeats), and errors come back as the classes the engine raised."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import pytest
-from pydantic import BaseModel
+from pydantic import ValidationError
 
-from engine.client import AdapterInfo, AdapterPlacement, EngineStats, RequestRejected
-from engine.lora.cache import AdapterCacheStats, LatencyHistogram
+from engine.client import AdapterInfo, AdapterPlacement, EngineStats
+from engine.errors import (
+    AdapterError,
+    AdapterLoadError,
+    EngineDeadError,
+    EngineError,
+    EngineStepError,
+    EngineUnavailable,
+    NoWorkerAvailable,
+    RequestRejected,
+    WorkerLost,
+)
+from engine.remote.heartbeat import Heartbeat
 from engine.remote.protocol import (
-    AdapterCacheWire,
-    AdapterInfoWire,
-    GenerateRequest,
-    OutputWire,
-    PlacementWire,
-    SamplingWire,
-    StatsWire,
-    TenantWire,
+    AdapterList,
     WireError,
+    WorkerStats,
+    decode_adapter_info,
     decode_line,
+    decode_request,
+    encode_adapter_info,
     encode_error,
     encode_output,
+    encode_request,
+    refusal,
 )
-from engine.request import RequestOutput, SamplingParams, TenantContext, TokenLogprob
+from engine.request import EngineRequest, RequestOutput, SamplingParams, TenantContext, TokenLogprob
+from engine.stats import AdapterCacheStats, LatencyHistogram
 
-
-@pytest.mark.parametrize(
-    ("wire", "dataclass"),
-    [
-        (SamplingWire, SamplingParams),
-        (TenantWire, TenantContext),
-        (OutputWire, RequestOutput),
-        (AdapterInfoWire, AdapterInfo),
-        (StatsWire, EngineStats),
-        (AdapterCacheWire, AdapterCacheStats),
-        (PlacementWire, AdapterPlacement),
-    ],
+SAMPLING = SamplingParams(
+    max_tokens=7, temperature=0.5, top_p=0.9, top_k=40, presence_penalty=0.1,
+    frequency_penalty=-0.2, repetition_penalty=1.1, seed=2**62, stop=["\n\n", "END"],
+    stop_token_ids=[2, 7], ignore_eos=True, logprobs=3,
 )
-def test_wire_models_have_the_fields_of_their_dataclass(
-    wire: type[BaseModel], dataclass: type
-) -> None:
-    assert list(wire.model_fields) == [f.name for f in dataclasses.fields(dataclass)]
+TENANT = TenantContext("t_1", weight=2.5, max_running=4, max_kv_fraction=0.5,
+                       max_tokens=100, max_context_tokens=2048)
+REQUEST = EngineRequest(
+    request_id="chatcmpl-1-0", prompt_token_ids=(1, 2, 49151), sampling=SAMPLING,
+    adapter="av/ver_1", salt="t_1", priority=2, tenant=TENANT,
+)
+CACHE = AdapterCacheStats(
+    device_hits=1, device_misses=2, loads=3, load_failures=4, device_evictions=5,
+    host_evictions=6, num_device=7, num_host=8, num_loading=9, num_queued=10,
+    load_latency=LatencyHistogram((0.1, 1.0), (1, 3, 4), 2.5, 4),
+    device_slots=11, host_capacity=12,
+)
+INFO = AdapterInfo("av/v1", "av/v1#3", "/data/adapters/abc", 8, 16.0, True,
+                   ("q_proj", "v_proj"), 4096, 1_700_000_000)
+PLACE = AdapterPlacement("av/v1", 2, True, False, 3, 1)
 
 
 def test_generate_request_round_trip() -> None:
-    sampling = SamplingParams(
-        max_tokens=7, temperature=0.5, top_p=0.9, top_k=40, presence_penalty=0.1,
-        frequency_penalty=-0.2, repetition_penalty=1.1, seed=2**62, stop=["\n\n", "END"],
-        stop_token_ids=[2, 7], ignore_eos=True, logprobs=3,
+    back = decode_request(encode_request(REQUEST))
+    assert back == REQUEST
+    assert back.sampling == SAMPLING and back.tenant == TENANT
+    assert (back.request_id, back.prompt_token_ids, back.adapter, back.salt, back.priority) == (
+        "chatcmpl-1-0", (1, 2, 49151), "av/ver_1", "t_1", 2
     )
-    tenant = TenantContext("t_1", weight=2.5, max_running=4, max_kv_fraction=0.5,
-                           max_tokens=100, max_context_tokens=2048)
-    request = GenerateRequest(
-        request_id="chatcmpl-1-0", prompt_token_ids=[1, 2, 49151],
-        sampling=SamplingWire.of(sampling), adapter_id="av/ver_1", salt="t_1", priority=2,
-        tenant=TenantWire.of(tenant),
-    )
-    back = GenerateRequest.model_validate_json(request.model_dump_json())
-    assert back.sampling.to_params() == sampling
-    assert back.tenant is not None and back.tenant.to_context() == tenant
-    assert (back.request_id, back.prompt_token_ids, back.adapter_id, back.salt, back.priority) == (
-        "chatcmpl-1-0", [1, 2, 49151], "av/ver_1", "t_1", 2
-    )
+    bare = EngineRequest("r", (5,), SamplingParams())
+    assert decode_request(encode_request(bare)) == bare
 
 
 def test_sampling_values_the_engine_refuses_stay_refused() -> None:
-    wire = SamplingWire.of(SamplingParams())
-    bad = SamplingWire.model_validate({**wire.model_dump(), "top_p": 0.0})
-    with pytest.raises(ValueError, match="top_p"):
-        bad.to_params()
+    body = json.loads(encode_request(REQUEST))
+    body["request"]["sampling"]["top_p"] = 0.0
+    with pytest.raises(ValueError, match="top_p") as refused:
+        decode_request(json.dumps(body))
+    assert isinstance(refused.value, ValidationError)
+    assert refusal(refused.value) == "top_p must be in (0, 1], got 0.0"
+    body["request"]["sampling"]["top_p"] = 1.0
+    body["request"]["prompt_token_ids"] = []
+    with pytest.raises(ValidationError) as empty:
+        decode_request(json.dumps(body))
+    assert refusal(empty.value) == "prompt must contain at least one token"
+    # A malformed body is no refusal: the worker answers it differently.
+    with pytest.raises(ValidationError) as malformed:
+        decode_request(b'{"x": 1}')
+    assert refusal(malformed.value) is None
+
+
+@pytest.mark.parametrize(
+    "where",
+    [(), ("sampling",), ("tenant",)],
+    ids=["request", "sampling", "tenant"],
+)
+def test_unknown_fields_in_a_request_are_refused(where: tuple[str, ...]) -> None:
+    body = json.loads(encode_request(REQUEST))
+    target = body["request"]
+    for key in where:
+        target = target[key]
+    target["min_p"] = 0.1  # a parameter a newer gateway might send
+    with pytest.raises(ValidationError) as refused:
+        decode_request(json.dumps(body))
+    assert refusal(refused.value) is None
 
 
 def test_outputs_round_trip_through_lines() -> None:
@@ -87,6 +117,8 @@ def test_outputs_round_trip_through_lines() -> None:
     assert decode_line(line) == out
     plain = RequestOutput("r", [], "", False, None, 3, 0, 0)
     assert decode_line(encode_output(plain)) == plain
+    with pytest.raises(ValueError):
+        decode_line(line.replace(b'"finished"', b'"extra":1,"finished"'))
 
 
 def test_errors_round_trip_to_the_engine_exceptions() -> None:
@@ -108,27 +140,72 @@ def test_errors_round_trip_to_the_engine_exceptions() -> None:
         decode_line(b"{}")
 
 
+@pytest.mark.parametrize(
+    ("error", "kind"),
+    [
+        (AdapterError("no such file"), "invalid"),
+        (AdapterLoadError("adapter 'x' could not be loaded"), "engine"),
+        (EngineStepError("the step failed"), "engine"),
+        (EngineDeadError("engine failed: CUDA"), "engine"),
+        (EngineUnavailable("starting"), "unavailable"),
+        (NoWorkerAvailable("none"), "unavailable"),
+        (WorkerLost("w1 died"), "engine"),
+    ],
+)
+def test_engine_errors_come_back_as_their_class(error: EngineError, kind: str) -> None:
+    wire = WireError.of(error)
+    assert (wire.kind, wire.code) == (kind, error.code)
+    decoded = decode_line(encode_error(wire))
+    assert isinstance(decoded, WireError)
+    back = decoded.to_exception()
+    assert type(back) is type(error)
+    assert str(back) == str(error)
+
+
 def test_stats_round_trip_with_the_infinite_bucket() -> None:
-    cache = AdapterCacheStats(
-        device_hits=1, device_misses=2, loads=3, load_failures=4, device_evictions=5,
-        host_evictions=6, num_device=7, num_host=8, num_loading=9, num_queued=10,
-        load_latency=LatencyHistogram((0.1, 1.0, float("inf")), (1, 3, 4), 2.5, 4),
-        device_slots=11, host_capacity=12,
-    )
-    stats = EngineStats(1, 2, 3, 4, 0.25, 5, 6, 7, num_adapters=8, adapter_cache=cache)
-    text = StatsWire.of(stats).model_dump_json()
+    stats = EngineStats(1, 2, 3, 4, 0.25, 5, 6, 7, num_adapters=8, adapter_cache=CACHE)
+    body = WorkerStats(model_id="m", max_model_len=64, ready=True, draining=False,
+                       stats=stats, residency=[PLACE])
+    text = body.model_dump_json()
     json.loads(text)  # strict JSON: no Infinity
     assert "Infinity" not in text
-    assert StatsWire.model_validate_json(text).to_stats() == stats
+    back = WorkerStats.model_validate_json(text)
+    assert back.stats == stats and back.residency == [PLACE]
+    assert back.stats.adapter_cache is not None
+    assert back.stats.adapter_cache.load_latency.bounds == (0.1, 1.0, float("inf"))
     bare = EngineStats(0, 0, 0, 0, 0.0, 0, 0, 0)
-    assert StatsWire.model_validate_json(StatsWire.of(bare).model_dump_json()).to_stats() == bare
+    bare_body = body.model_copy(update={"stats": bare, "residency": []})
+    assert WorkerStats.model_validate_json(bare_body.model_dump_json()).stats == bare
+
+
+def test_a_histogram_needs_a_count_for_the_infinite_bucket() -> None:
+    with pytest.raises(ValueError, match="finite"):
+        LatencyHistogram((0.1, float("inf")), (1, 2, 2), 0.5, 2)
+    with pytest.raises(ValueError, match="one for \\+Inf"):
+        LatencyHistogram((0.1, 1.0), (1, 2), 0.5, 2)
 
 
 def test_adapter_info_and_placement_round_trip() -> None:
-    info = AdapterInfo("av/v1", "av/v1#3", "/data/adapters/abc", 8, 16.0, True,
-                       ("q_proj", "v_proj"), 4096, 1_700_000_000)
-    wire = AdapterInfoWire.model_validate_json(AdapterInfoWire.of(info).model_dump_json())
-    assert wire.to_info() == info
-    place = AdapterPlacement("av/v1", 2, True, False, 3, 1)
-    wire_place = PlacementWire.model_validate_json(PlacementWire.of(place).model_dump_json())
-    assert wire_place.to_placement() == place
+    assert decode_adapter_info(encode_adapter_info(INFO)) == INFO
+    listed = AdapterList.model_validate_json(AdapterList(adapters=[INFO]).model_dump_json())
+    assert listed.adapters == [INFO]
+    extra = json.loads(encode_adapter_info(INFO)) | {"merged": True}
+    with pytest.raises(ValueError):
+        decode_adapter_info(json.dumps(extra))
+
+
+def test_heartbeats_ignore_fields_they_do_not_know() -> None:
+    stats = EngineStats(1, 2, 3, 4, 0.25, 5, 6, 7, adapter_cache=CACHE)
+    beat = Heartbeat(
+        worker_id="w1", instance="i", seq=3, url="http://w1", device="cpu", mig_profile=None,
+        gpu_uuid=None, dedicated_tenants=[], model_id="m", max_model_len=64,
+        max_adapter_bytes=1024, ready=True, draining=False, num_running=1, num_waiting=2,
+        kv_usage=0.25, adapters_device=[], adapters_host=[], adapters_registered=["av/v1"],
+        adapters_preloaded=[INFO], stats=stats, residency=[PLACE], sent_at=1.0,
+    )
+    assert Heartbeat.model_validate_json(beat.model_dump_json()) == beat
+    newer = json.loads(beat.model_dump_json())
+    newer["temperature_c"] = 61  # what a newer worker might add, at any depth
+    newer["stats"]["num_swapped"] = 0
+    newer["residency"][0]["bytes"] = 10
+    assert Heartbeat.model_validate(newer) == beat

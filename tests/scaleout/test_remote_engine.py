@@ -9,19 +9,18 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
 
-from engine.client import RequestRejected
+from engine.client import RouteHint
+from engine.errors import NoWorkerAvailable, RequestRejected, WorkerLost
+from engine.fake import FakeEngine
 from engine.remote.client import RemoteEngine
 from engine.remote.heartbeat import HeartbeatPublisher, make_identity, read_heartbeats
-from engine.remote.protocol import NoWorkerAvailable, WorkerLost
 from engine.remote.routing import rendezvous_order
 from engine.remote.worker_app import create_worker_app
-from engine.request import RequestOutput, SamplingParams, TenantContext
-from tests.utils.fake_engine import FakeEngine
+from engine.request import EngineRequest, RequestOutput, SamplingParams, TenantContext
 from tests.utils.live_server import serve_in_thread
 from tests.utils.tcp_proxy import TcpProxy
 
@@ -34,25 +33,10 @@ INTERVAL_S = 0.1
 TTL_S = 0.4
 
 
-class StrictEngine(FakeEngine):
-    """FakeEngine that, like the real one, serves only the adapters registered on it."""
-
-    async def generate(
-        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, *,
-        adapter_id: str | None = None, **kwargs: Any,
-    ) -> AsyncIterator[RequestOutput]:
-        if adapter_id is not None and adapter_id not in self.adapters:
-            raise RequestRejected(f"The model `{adapter_id}` does not exist.",
-                                  code="model_not_found", param="model")
-        async for out in super().generate(request_id, prompt_token_ids, sampling,
-                                          adapter_id=adapter_id, **kwargs):
-            yield out
-
-
 @dataclass
 class Worker:
     worker_id: str
-    engine: StrictEngine
+    engine: FakeEngine  # strict: like the real one, it serves only adapters added to it
     proxy: TcpProxy
     publisher: HeartbeatPublisher
 
@@ -69,7 +53,8 @@ class Cluster:
         preloaded: tuple[str, ...] = (),
     ) -> Worker:
         """preloaded: adapters the worker serves from the start, as `--lora` gives."""
-        engine = StrictEngine(model_id=MODEL, max_model_len=4096, token_delay_s=0.01)
+        engine = FakeEngine(model_id=MODEL, max_model_len=4096, token_delay_s=0.01,
+                            strict_adapters=True)
         for name in preloaded:
             await engine.add_adapter(name, f"/opt/loras/{name}")
         app = create_worker_app(engine, token=token, data_dir=self.data_dir, keepalive_s=0.1)
@@ -133,7 +118,7 @@ async def remote(cluster: Cluster, **options: object) -> AsyncIterator[RemoteEng
         # machine the first heartbeats can arrive after start() returns.
         expected = set(cluster.workers)
         await _wait_for(
-            lambda: {r.beat.worker_id for r in engine.workers() if r.in_rotation} >= expected,
+            lambda: {w.id for w in engine.workers() if w.in_rotation} >= expected,
             timeout=15,
         )
         yield engine
@@ -154,9 +139,9 @@ async def _run(engine: RemoteEngine, request_id: str, *, adapter: str | None = N
     outputs = []
     # A stuck call fails with the await it is stuck in, instead of stalling the run.
     async with asyncio.timeout(30):
-        async for out in engine.generate(request_id, list(b"hello"),
-                                         SamplingParams(max_tokens=max_tokens),
-                                         adapter_id=adapter):
+        request = EngineRequest(request_id, tuple(b"hello"),
+                                SamplingParams(max_tokens=max_tokens), adapter=adapter)
+        async for out in engine.generate(request):
             outputs.append(out)
     return outputs
 
@@ -178,7 +163,7 @@ async def test_a_workers_own_adapter_is_listed_and_served_there_only(cluster: Cl
         assert [i.name for i in engine.list_adapters()] == ["house"]
         assert engine.pool.preloading("house") == {holder}
         for i in range(4):
-            route = engine.route([f"h{i}"], adapter_id="house", tenant_id="t", dedicated=False)
+            route = engine.route([f"h{i}"], RouteHint("house", "t"))
             assert route.worker_id == holder
             outputs = await _run(engine, f"h{i}", adapter="house")
             assert outputs[-1].finished and route.worker_id == holder
@@ -205,7 +190,7 @@ async def test_an_adapter_sticks_to_one_worker_and_moves_when_it_dies(
         assert info.path == str(adapter_dir.resolve())
         assert engine.get_adapter("av/x") == info
         for i in range(6):
-            route = engine.route([f"r{i}"], adapter_id="av/x", tenant_id="t", dedicated=False)
+            route = engine.route([f"r{i}"], RouteHint("av/x", "t"))
             outputs = await _run(engine, f"r{i}", adapter="av/x")
             assert "".join(o.new_text for o in outputs) == "hel"
             assert route.worker_id == home
@@ -215,7 +200,7 @@ async def test_an_adapter_sticks_to_one_worker_and_moves_when_it_dies(
         # Its worker dies: a request routed there before anyone noticed is retried on the
         # adapter's next rendezvous worker, which registers it on the way.
         kill(cluster.workers[home])
-        route = engine.route(["after"], adapter_id="av/x", tenant_id="t", dedicated=False)
+        route = engine.route(["after"], RouteHint("av/x", "t"))
         assert route.worker_id == home
         outputs = await _run(engine, "after", adapter="av/x")
         assert outputs[-1].finished
@@ -234,8 +219,9 @@ async def test_a_stream_cut_after_its_first_output_fails_without_retry(cluster: 
     w1 = await cluster.add_worker("w1")
     await cluster.add_worker("w2")
     async with remote(cluster) as engine:
-        engine.route(["s"], adapter_id=None, tenant_id=None, dedicated=False)
-        stream = engine.generate("s", list(b"hello"), SamplingParams(max_tokens=500))
+        engine.route(["s"], RouteHint(None))
+        stream = engine.generate(EngineRequest("s", tuple(b"hello"),
+                                               SamplingParams(max_tokens=500)))
         first = await stream.__anext__()
         owner = next(w for w in cluster.workers.values() if "s" in w.engine.active)
         assert first.num_output_tokens == 1
@@ -255,7 +241,7 @@ async def test_a_stalled_worker_is_given_up_and_the_request_retried(cluster: Clu
     w2 = await cluster.add_worker("w2")
     async with remote(cluster, stream_idle_timeout_s=0.5) as engine:
         w1.proxy.stall()  # accepts connections, forwards nothing: a hung machine
-        route = engine.route(["r"], adapter_id=None, tenant_id=None, dedicated=False)
+        route = engine.route(["r"], RouteHint(None))
         if route.worker_id != "w1":
             route.worker_id = "w1"  # make sure it is tried first
         started = time.monotonic()
@@ -286,7 +272,7 @@ async def test_heartbeats_take_workers_in_and_out_of_rotation(cluster: Cluster) 
         assert TTL_S / 2 <= time.monotonic() - stopped < TTL_S + 0.5
         assert not engine.is_ready()
         with pytest.raises(NoWorkerAvailable):
-            engine.route(["x"], adapter_id=None, tenant_id=None, dedicated=False)
+            engine.route(["x"], RouteHint(None))
         with pytest.raises(NoWorkerAvailable):
             await _run(engine, "x")
         # A restarted worker (a new instance) is in at its first beat.
@@ -320,8 +306,7 @@ async def test_requests_the_engine_refuses_are_not_retried(cluster: Cluster) -> 
     await cluster.add_worker("w2")
     async with remote(cluster) as engine:
         with pytest.raises(ValueError, match="at least one token"):
-            async for _ in engine.generate("r1", [], SamplingParams()):
-                pass
+            EngineRequest("r1", (), SamplingParams())  # never reaches a worker
         for worker in cluster.workers.values():
             worker.engine.fail_with = RequestRejected("too long", code="context_length_exceeded",
                                                       param="messages")
@@ -340,9 +325,9 @@ async def test_the_request_reaches_the_worker_engine_unchanged(cluster: Cluster)
                            max_tokens=50, max_context_tokens=1000)
     sampling = SamplingParams(max_tokens=2, temperature=0.0, stop=["x"], seed=7, logprobs=1)
     async with remote(cluster) as engine:
-        outputs = [o async for o in engine.generate(
-            "r1", [104, 105], sampling, salt="t_1", priority=2, tenant=tenant
-        )]
+        outputs = [o async for o in engine.generate(EngineRequest(
+            "r1", (104, 105), sampling, salt="t_1", priority=2, tenant=tenant
+        ))]
     [submitted] = w1.engine.submitted
     assert (submitted.request_id, submitted.prompt_token_ids, submitted.sampling,
             submitted.salt, submitted.priority, submitted.tenant) == (
@@ -379,17 +364,16 @@ async def test_dedicated_tenants_run_only_on_their_workers(cluster: Cluster) -> 
     acme = await cluster.add_worker("acme-slice", dedicated=("t_acme",))
     async with remote(cluster) as engine:
         for i in range(3):
-            route = engine.route([f"a{i}"], adapter_id=None, tenant_id="t_acme", dedicated=True)
+            route = engine.route([f"a{i}"], RouteHint(None, "t_acme", dedicated=True))
             assert route.worker_id == "acme-slice"
             await _run(engine, f"a{i}")
-            shared = engine.route([f"s{i}"], adapter_id=None, tenant_id="t_other",
-                                  dedicated=False)
+            shared = engine.route([f"s{i}"], RouteHint(None, "t_other"))
             assert shared.worker_id == "shared"
             await _run(engine, f"s{i}")
         with pytest.raises(NoWorkerAvailable, match="tenant"):
-            engine.route(["x"], adapter_id=None, tenant_id="t_beta", dedicated=True)
-        [report] = [r for r in engine.workers() if r.beat.worker_id == "acme-slice"]
-        assert report.beat.dedicated_tenants == ["t_acme"]
+            engine.route(["x"], RouteHint(None, "t_beta", dedicated=True))
+        [status] = [w for w in engine.workers() if w.id == "acme-slice"]
+        assert status.dedicated_tenants == ["t_acme"]
         assert [s.request_id for s in acme.engine.submitted] == ["a0", "a1", "a2"]
 
 
@@ -405,9 +389,28 @@ async def test_synchronous_answers_come_from_the_heartbeats(cluster: Cluster) ->
         assert (stats.num_total_blocks, stats.num_free_blocks) == (256, 200)
         assert stats.kv_usage == pytest.approx(56 / 256)
         assert engine.max_adapter_bytes() == 64 * 1024 * 1024
-        reports = engine.workers()
-        assert [(r.beat.worker_id, r.in_rotation, r.inflight) for r in reports] == [
+        statuses = engine.workers()
+        assert [(w.id, w.in_rotation, w.inflight) for w in statuses] == [
             ("w1", True, 0), ("w2", True, 0)
         ]
-        assert reports[0].beat.url == w1.publisher.identity.url
-        assert reports[0].beat.device == "cpu"
+        assert statuses[0].url == w1.publisher.identity.url
+        assert statuses[0].device == "cpu"
+        assert (statuses[0].model, statuses[0].ready) == (MODEL, True)
+        assert statuses[0].stats.num_waiting == 3 and statuses[1].stats.num_waiting == 0
+        assert statuses[0].seconds_since_heartbeat is not None
+        assert 0 <= statuses[0].seconds_since_heartbeat < 5
+
+
+async def test_a_released_route_no_longer_steers_its_requests(cluster: Cluster) -> None:
+    w1 = await cluster.add_worker("w1")
+    async with remote(cluster) as engine:
+        kept = engine.route(["kept"], RouteHint(None))
+        dropped = engine.route(["dropped"], RouteHint(None))
+        assert kept.worker_id == dropped.worker_id == "w1"
+        engine.release(["dropped"])
+        kept.worker_id = dropped.worker_id = "gone"  # a worker that no longer exists
+        assert (await _run(engine, "kept"))[-1].finished
+        assert (await _run(engine, "dropped"))[-1].finished
+        assert kept.worker_id == "w1"  # the route followed its request to where it ran
+        assert dropped.worker_id == "gone"  # released: routed afresh, the route untouched
+        assert [s.request_id for s in w1.engine.submitted] == ["kept", "dropped"]

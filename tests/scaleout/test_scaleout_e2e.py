@@ -22,8 +22,8 @@ from typing import Any
 import httpx
 import redis
 
+from engine.client import WORKER_HEADER
 from engine.remote.heartbeat import WORKERS_SET, worker_key
-from engine.remote.protocol import WORKER_HEADER
 from tests.utils.peft_adapters import make_peft_adapter
 from tests.utils.processes import cli_process, free_port, log_tail, scaleout_env, wait_until
 from tests.utils.saas import (

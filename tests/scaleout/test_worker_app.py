@@ -7,23 +7,24 @@ import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 
+from engine.errors import EngineDeadError
 from engine.remote.protocol import (
     ABORT_PATH,
     ADAPTERS_PATH,
     GENERATE_PATH,
     REMOVE_ADAPTER_PATH,
     STATS_PATH,
-    GenerateRequest,
-    SamplingWire,
     WireError,
     decode_line,
+    encode_request,
 )
 from engine.remote.worker_app import begin_drain, create_worker_app
-from engine.request import RequestOutput, SamplingParams
+from engine.request import EngineRequest, RequestOutput, SamplingParams
 from tests.utils.fake_engine import FakeEngine
 from tests.utils.live_server import serve_in_thread
 
@@ -52,12 +53,12 @@ def worker(engine: FakeEngine, data_dir: Path) -> Iterator[str]:
         yield base
 
 
-def _generate_body(request_id: str, prompt: str = "hello", **sampling: object) -> dict[str, object]:
+def _generate_body(request_id: str, prompt: str = "hello", **sampling: object) -> dict[str, Any]:
     params = SamplingParams(**{"max_tokens": 4, **sampling})  # type: ignore[arg-type]
-    return GenerateRequest(
-        request_id=request_id, prompt_token_ids=list(prompt.encode()),
-        sampling=SamplingWire.of(params),
-    ).model_dump(mode="json")
+    body: dict[str, Any] = json.loads(
+        encode_request(EngineRequest(request_id, tuple(prompt.encode()), params))
+    )
+    return body
 
 
 def _lines(response: httpx.Response) -> list[RequestOutput | WireError | None]:
@@ -102,19 +103,36 @@ def test_generate_streams_outputs_as_lines(worker: str, engine: FakeEngine) -> N
     assert engine.finished == ["r1"]
 
 
-def test_a_request_the_engine_refuses_ends_with_an_error_line(
-    worker: str, engine: FakeEngine
-) -> None:
+def test_a_request_the_engine_refuses_is_refused(worker: str, engine: FakeEngine) -> None:
     with httpx.Client(base_url=worker, timeout=10) as client:
-        response = client.post(GENERATE_PATH, json=_generate_body("r1", prompt=""), headers=AUTH)
-        [error] = [x for x in _lines(response) if x is not None]
+        empty = _generate_body("r1")
+        empty["request"]["prompt_token_ids"] = []
+        response = client.post(GENERATE_PATH, json=empty, headers=AUTH)
+        assert response.status_code == 400
+        error = WireError.model_validate(response.json()["error"])
         assert error == WireError(kind="invalid", message="prompt must contain at least one token")
         bad = _generate_body("r2")
-        bad["sampling"]["top_p"] = 0  # type: ignore[index]
+        bad["request"]["sampling"]["top_p"] = 0
         refused = client.post(GENERATE_PATH, json=bad, headers=AUTH)
         assert refused.status_code == 400
         assert refused.json()["error"]["kind"] == "invalid"
         assert client.post(GENERATE_PATH, json={"x": 1}, headers=AUTH).status_code == 422
+        newer = _generate_body("r3")
+        newer["request"]["sampling"]["min_p"] = 0.1  # unknown here: refused, not dropped
+        assert client.post(GENERATE_PATH, json=newer, headers=AUTH).status_code == 422
+    assert engine.submitted == []
+
+
+def test_an_engine_error_ends_the_stream_with_its_code(worker: str, engine: FakeEngine) -> None:
+    engine.fail_with = EngineDeadError("engine failed: CUDA error")
+    with httpx.Client(base_url=worker, timeout=10) as client:
+        response = client.post(GENERATE_PATH, json=_generate_body("r1"), headers=AUTH)
+    assert response.status_code == 200
+    [error] = [x for x in _lines(response) if x is not None]
+    assert error == WireError(kind="engine", code="engine_failed",
+                              message="engine failed: CUDA error")
+    assert isinstance(error, WireError)
+    assert type(error.to_exception()) is EngineDeadError
 
 
 def test_keepalive_lines_while_a_request_waits(worker: str, engine: FakeEngine) -> None:

@@ -18,7 +18,8 @@ from typing import Any
 
 import torch
 
-from engine.lora.weights import MODULE_GROUP
+from engine.models.base import CausalLM
+from engine.models.llama import LlamaForCausalLM
 
 # Without an explicit std, factors are drawn so that each module's dense delta
 # (scaling * B @ A) has this element std relative to the base weight it adapts: strong
@@ -111,9 +112,11 @@ def _draw_factors(layer: Any, generator: torch.Generator, std: float | None) -> 
 # ---------------------------------------------------------------------------- inspecting
 
 
-def lora_tensor_name(layer: int, module: str, kind: str = "lora_A") -> str:
+def lora_tensor_name(
+    layer: int, module: str, kind: str = "lora_A", arch: type[CausalLM] = LlamaForCausalLM
+) -> str:
     """The name PEFT saves a factor under, e.g. ...layers.0.self_attn.q_proj.lora_A.weight."""
-    parent = "mlp" if MODULE_GROUP[module][0] in ("gate_up", "down") else "self_attn"
+    parent = arch.module_parents[module]
     return f"base_model.model.model.layers.{layer}.{parent}.{module}.{kind}.weight"
 
 

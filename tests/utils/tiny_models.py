@@ -60,13 +60,33 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2_bias": ("qwen2", {"tie_word_embeddings": False}),
     # The window is larger than the model length, so full attention is exact here.
     "mistral": ("mistral", {"sliding_window": 4096, "head_dim": 24}),
+    # Heads wider than hidden_size / num_heads: q_size (128) is not hidden_size.
+    "qwen3": ("qwen3", {"head_dim": 32}),
+    "qwen3_bias_untied": (
+        "qwen3",
+        {"head_dim": 16, "attention_bias": True, "tie_word_embeddings": False},
+    ),
+    # Phi3Config's default pad id (32000) would be outside the small vocabularies tests use.
+    "phi3": ("phi3", {"tie_word_embeddings": False, "rope_theta": 2000.0, "pad_token_id": None}),
 }
 
 
 def _hf_config(model_type: str, settings: dict[str, Any]) -> Any:
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import (
+        LlamaConfig,
+        MistralConfig,
+        Phi3Config,
+        Qwen2Config,
+        Qwen3Config,
+    )
 
-    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}[model_type]
+    cls = {
+        "llama": LlamaConfig,
+        "qwen2": Qwen2Config,
+        "mistral": MistralConfig,
+        "qwen3": Qwen3Config,
+        "phi3": Phi3Config,
+    }[model_type]
     return cls(**settings)
 
 

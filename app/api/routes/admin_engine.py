@@ -2,21 +2,14 @@
 
 from __future__ import annotations
 
-import time
-
 from fastapi import APIRouter
 
 from app.api.deps import AdminPrincipal
 from app.api.schemas.engine import AdapterCacheView, EngineAdapterView, EngineView, WorkerView
 from app.api.state import AppState, AppStateDep
-from engine.client import AdapterInfo, AdapterPlacement, EngineStats
-from engine.remote.client import RemoteEngine
-from engine.remote.workers import WorkerReport
+from engine.client import AdapterInfo, AdapterPlacement, EngineStats, WorkerStatus
 
 router = APIRouter(tags=["admin"])
-
-# The in-process engine's one worker; a gateway lists its workers by their own ids.
-LOCAL_WORKER_ID = "local"
 
 
 def _adapters(
@@ -67,18 +60,13 @@ def _cache_view(stats: EngineStats) -> AdapterCacheView | None:
     )
 
 
-def _worker_view(
-    worker_id: str,
-    model: str,
-    ready: bool,
-    stats: EngineStats,
-    adapters: list[EngineAdapterView],
-) -> WorkerView:
+def _worker_view(state: AppState, worker: WorkerStatus) -> WorkerView:
+    stats = worker.stats
     queries = stats.prefix_cache_queries
     return WorkerView(
-        id=worker_id,
-        model=model,
-        ready=ready,
+        id=worker.id,
+        model=worker.model,
+        ready=worker.ready,
         num_running=stats.num_running,
         num_waiting=stats.num_waiting,
         kv_usage=stats.kv_usage,
@@ -87,39 +75,18 @@ def _worker_view(
         num_preemptions=stats.num_preemptions,
         prefix_cache_hit_rate=stats.prefix_cache_hits / queries if queries else None,
         adapter_cache=_cache_view(stats),
-        adapters=adapters,
+        adapters=_adapters(state, worker.adapters, worker.residency),
+        url=worker.url,
+        device=worker.device,
+        mig_profile=worker.mig_profile,
+        gpu_uuid=worker.gpu_uuid,
+        dedicated_tenants=list(worker.dedicated_tenants),
+        in_rotation=worker.in_rotation,
+        inflight=worker.inflight,
+        seconds_since_heartbeat=worker.seconds_since_heartbeat,
     )
-
-
-def _remote_view(state: AppState, engine: RemoteEngine, report: WorkerReport) -> WorkerView:
-    beat = report.beat
-    known = {info.name: info for info in engine.list_adapters()}
-    # Adapters this gateway has not validated (another gateway's, not yet synced) have no
-    # rank or size here: they show once it has.
-    infos = [known[name] for name in beat.adapters_registered if name in known]
-    residency = [p.to_placement() for p in beat.residency]
-    view = _worker_view(
-        beat.worker_id, beat.model_id, beat.ready, beat.stats.to_stats(),
-        _adapters(state, infos, residency),
-    )
-    view.url = beat.url
-    view.device = beat.device
-    view.mig_profile = beat.mig_profile
-    view.gpu_uuid = beat.gpu_uuid
-    view.dedicated_tenants = list(beat.dedicated_tenants)
-    view.in_rotation = report.in_rotation
-    view.inflight = report.inflight
-    view.seconds_since_heartbeat = max(0.0, time.time() - beat.sent_at)
-    return view
 
 
 @router.get("/admin/engine", response_model=EngineView)
 def engine_view(state: AppStateDep, admin: AdminPrincipal) -> EngineView:
-    engine = state.engine
-    if isinstance(engine, RemoteEngine):
-        return EngineView(workers=[_remote_view(state, engine, r) for r in engine.workers()])
-    worker = _worker_view(
-        LOCAL_WORKER_ID, engine.model_id, engine.is_ready(), engine.stats(),
-        _adapters(state, engine.list_adapters(), engine.adapter_residency()),
-    )
-    return EngineView(workers=[worker])
+    return EngineView(workers=[_worker_view(state, w) for w in state.engine.workers()])

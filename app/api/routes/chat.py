@@ -19,7 +19,7 @@ from app.api.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
 )
-from app.api.responses import chat_response, chat_stream
+from app.api.rendering import ChatRenderer
 from app.api.serving import plan_chat, read_body
 from app.api.state import AppStateDep
 
@@ -44,4 +44,4 @@ async def create_chat_completion(
     # NOTE: in a thread: tokenizing a prompt of a few MB takes seconds, which would stall
     # every other tenant's streams on the event loop.
     plan = await asyncio.to_thread(plan_chat, state, body, principal)
-    return await serve_generation(request, state, plan, chat_response, chat_stream)
+    return await serve_generation(request, state, plan, ChatRenderer(plan, state.engine.token_text))

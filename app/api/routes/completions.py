@@ -15,7 +15,7 @@ from app.api.openapi import (
     request_body,
 )
 from app.api.protocol import CompletionRequest, CompletionResponse
-from app.api.responses import completion_response, completion_stream
+from app.api.rendering import CompletionRenderer
 from app.api.serving import plan_completion, read_body
 from app.api.state import AppStateDep
 
@@ -40,4 +40,5 @@ async def create_completion(
     # NOTE: in a thread: tokenizing a prompt of a few MB takes seconds, which would stall
     # every other tenant's streams on the event loop.
     plan = await asyncio.to_thread(plan_completion, state, body, principal)
-    return await serve_generation(request, state, plan, completion_response, completion_stream)
+    renderer = CompletionRenderer(plan, state.engine.token_text)
+    return await serve_generation(request, state, plan, renderer)

@@ -1,0 +1,267 @@
+"""Engine outputs as OpenAI responses: whole objects and SSE chunk streams.
+
+Rendering is a pure function of the plan and what the engine produced; running the engine
+and accounting for the request are app/api/generation.py's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from typing import Protocol
+
+from pydantic import BaseModel
+
+from app.api.choices import ChoiceResult
+from app.api.errors import APIError
+from app.api.plan import GenerationPlan
+from app.api.protocol import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatResponseMessage,
+    ChatTokenLogprob,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionResponse,
+    DeltaMessage,
+    FinishReason,
+    TopLogprob,
+    UsageInfo,
+)
+from app.api.streaming import SSE_DONE, sse_error, sse_event
+from engine.request import RequestOutput, TokenLogprob
+
+# The text of one vocabulary token on its own (the engine's `token_text`).
+TokenText = Callable[[int], str]
+
+
+class Renderer(Protocol):
+    """How one kind of generation request looks on the wire."""
+
+    def response(self, results: Sequence[ChoiceResult], usage: UsageInfo) -> BaseModel:
+        """The whole response, once every choice has finished."""
+        ...
+
+    def stream_start(self) -> Iterator[bytes]:
+        """SSE events sent before the first output."""
+        ...
+
+    def stream_output(self, index: int, output: RequestOutput) -> Iterator[bytes]:
+        """SSE events for one engine output of choice `index`."""
+        ...
+
+    def stream_end(self, usage: UsageInfo) -> Iterator[bytes]:
+        """SSE events after every choice has finished, to the stream's last."""
+        ...
+
+    def stream_error(self, exc: APIError) -> Iterator[bytes]:
+        """SSE events that end a stream which failed after its headers went out."""
+        ...
+
+
+def _finish_reason(reason: str | None) -> FinishReason | None:
+    assert reason in (None, "stop", "length"), f"unexpected finish reason {reason!r}"
+    return reason  # type: ignore[return-value]
+
+
+def _token_texts(
+    token_text: TokenText, logprobs: Sequence[TokenLogprob], texts: Sequence[str]
+) -> list[str]:
+    # The engine gives each chosen token's text; fall back to the vocabulary if not.
+    return [
+        texts[i] if i < len(texts) else token_text(lp.token_id)
+        for i, lp in enumerate(logprobs)
+    ]
+
+
+def completion_logprobs(
+    token_text: TokenText,
+    logprobs: Sequence[TokenLogprob],
+    texts: Sequence[str],
+    *,
+    num_top: int,
+    text_offset: int,
+) -> CompletionLogprobs:
+    """`text_offset` is where the first token starts in the completion's text."""
+    out = CompletionLogprobs()
+    for lp, text in zip(logprobs, _token_texts(token_text, logprobs, texts), strict=True):
+        out.tokens.append(text)
+        out.token_logprobs.append(lp.logprob)
+        out.top_logprobs.append({token_text(t): v for t, v in lp.top[:num_top]})
+        out.text_offset.append(text_offset)
+        text_offset += len(text)
+    return out
+
+
+def chat_logprobs(
+    token_text: TokenText, logprobs: Sequence[TokenLogprob], texts: Sequence[str], *, num_top: int
+) -> ChatLogprobs:
+    content = []
+    for lp, text in zip(logprobs, _token_texts(token_text, logprobs, texts), strict=True):
+        top = []
+        for token_id, value in lp.top[:num_top]:
+            alt = token_text(token_id)
+            top.append(TopLogprob(token=alt, logprob=value, bytes=list(alt.encode())))
+        content.append(
+            ChatTokenLogprob(
+                token=text, logprob=lp.logprob, bytes=list(text.encode()), top_logprobs=top
+            )
+        )
+    return ChatLogprobs(content=content)
+
+
+def _num_top(plan: GenerationPlan) -> int | None:
+    return plan.sampling[0].logprobs
+
+
+def _chunk(model: BaseModel, plan: GenerationPlan) -> bytes:
+    # With include_usage every chunk says `"usage": null` except the last one.
+    exclude = None if plan.include_usage else {"usage"}
+    return sse_event(model.model_dump_json(exclude=exclude))
+
+
+class CompletionRenderer:
+    """POST /v1/completions."""
+
+    def __init__(self, plan: GenerationPlan, token_text: TokenText) -> None:
+        self.plan = plan
+        self.token_text = token_text
+        self.num_top = _num_top(plan)
+        # Streaming: where each choice's next token starts in its text, and, with
+        # `echo`, the prompt its first chunk still has to carry.
+        self._offsets = [0] * plan.num_choices
+        self._unechoed = [self._echo(index) for index in range(plan.num_choices)]
+
+    def _echo(self, index: int) -> str:
+        """What choice `index`'s text starts with: its prompt with `echo`, else nothing."""
+        plan = self.plan
+        return "" if plan.echo_texts is None else plan.echo_texts[plan.prompt_index(index)]
+
+    def _logprobs(
+        self, logprobs: Sequence[TokenLogprob], texts: Sequence[str], text_offset: int
+    ) -> CompletionLogprobs | None:
+        if self.num_top is None:
+            return None
+        return completion_logprobs(
+            self.token_text, logprobs, texts, num_top=self.num_top, text_offset=text_offset
+        )
+
+    def response(self, results: Sequence[ChoiceResult], usage: UsageInfo) -> CompletionResponse:
+        choices = [
+            CompletionChoice(
+                index=index,
+                text=self._echo(index) + result.text,
+                logprobs=self._logprobs(result.logprobs, result.token_texts, 0),
+                finish_reason=_finish_reason(result.finish_reason),
+            )
+            for index, result in enumerate(results)
+        ]
+        return self._object(choices, usage)
+
+    def stream_start(self) -> Iterator[bytes]:
+        return iter(())
+
+    def stream_output(self, index: int, output: RequestOutput) -> Iterator[bytes]:
+        if not (output.new_text or output.new_logprobs or output.finished):
+            return
+        text, self._unechoed[index] = self._unechoed[index] + output.new_text, ""
+        logprobs = self._logprobs(
+            output.new_logprobs, output.new_token_texts, self._offsets[index]
+        )
+        self._offsets[index] += len(text)
+        choice = CompletionChoice(
+            index=index,
+            text=text,
+            logprobs=logprobs,
+            finish_reason=_finish_reason(output.finish_reason) if output.finished else None,
+        )
+        yield _chunk(self._object([choice]), self.plan)
+
+    def stream_end(self, usage: UsageInfo) -> Iterator[bytes]:
+        if self.plan.include_usage:
+            yield _chunk(self._object([], usage), self.plan)
+        yield SSE_DONE
+
+    def stream_error(self, exc: APIError) -> Iterator[bytes]:
+        yield sse_error(exc)
+
+    def _object(
+        self, choices: list[CompletionChoice], usage: UsageInfo | None = None
+    ) -> CompletionResponse:
+        plan = self.plan
+        return CompletionResponse(
+            id=plan.response_id, created=plan.created, model=plan.model, choices=choices,
+            usage=usage,
+        )
+
+
+class ChatRenderer:
+    """POST /v1/chat/completions."""
+
+    def __init__(self, plan: GenerationPlan, token_text: TokenText) -> None:
+        self.plan = plan
+        self.token_text = token_text
+        self.num_top = _num_top(plan)
+
+    def _logprobs(
+        self, logprobs: Sequence[TokenLogprob], texts: Sequence[str]
+    ) -> ChatLogprobs | None:
+        if self.num_top is None:
+            return None
+        return chat_logprobs(self.token_text, logprobs, texts, num_top=self.num_top)
+
+    def response(
+        self, results: Sequence[ChoiceResult], usage: UsageInfo
+    ) -> ChatCompletionResponse:
+        plan = self.plan
+        choices = [
+            ChatChoice(
+                index=index,
+                message=ChatResponseMessage(content=result.text),
+                logprobs=self._logprobs(result.logprobs, result.token_texts),
+                finish_reason=_finish_reason(result.finish_reason),
+            )
+            for index, result in enumerate(results)
+        ]
+        return ChatCompletionResponse(
+            id=plan.response_id, created=plan.created, model=plan.model, choices=choices,
+            usage=usage,
+        )
+
+    def stream_start(self) -> Iterator[bytes]:
+        for index in range(self.plan.num_choices):
+            delta = DeltaMessage(role="assistant", content="")
+            yield self._chunk([ChatChunkChoice(index=index, delta=delta)])
+
+    def stream_output(self, index: int, output: RequestOutput) -> Iterator[bytes]:
+        if output.new_text or output.new_logprobs:
+            choice = ChatChunkChoice(
+                index=index,
+                delta=DeltaMessage(content=output.new_text),
+                logprobs=self._logprobs(output.new_logprobs, output.new_token_texts),
+            )
+            yield self._chunk([choice])
+        if output.finished:
+            choice = ChatChunkChoice(
+                index=index, delta=DeltaMessage(),
+                finish_reason=_finish_reason(output.finish_reason),
+            )
+            yield self._chunk([choice])
+
+    def stream_end(self, usage: UsageInfo) -> Iterator[bytes]:
+        if self.plan.include_usage:
+            yield self._chunk([], usage)
+        yield SSE_DONE
+
+    def stream_error(self, exc: APIError) -> Iterator[bytes]:
+        yield sse_error(exc)
+
+    def _chunk(self, choices: list[ChatChunkChoice], usage: UsageInfo | None = None) -> bytes:
+        plan = self.plan
+        chunk = ChatCompletionChunk(
+            id=plan.response_id, created=plan.created, model=plan.model, choices=choices,
+            usage=usage,
+        )
+        return _chunk(chunk, plan)
