@@ -14,7 +14,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from engine.client import EngineClient
+from engine.client import EngineClient, EngineStats
 from engine.stats import AdapterCacheStats
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -96,8 +96,7 @@ class _EngineCollector(Collector):
             "Prompt tokens looked up in the prefix cache.",
             value=stats.prefix_cache_queries,
         )
-
-
+        yield from _structured_metrics(stats)
         yield GaugeMetricFamily(
             "loraplex_adapters_registered", "LoRA adapters served.", value=stats.num_adapters
         )
@@ -117,6 +116,44 @@ class _EngineCollector(Collector):
         if cache is None:
             return
         yield from _adapter_cache_metrics(cache)
+
+
+def _structured_metrics(stats: EngineStats) -> Iterator[Metric]:
+    yield CounterMetricFamily(
+        "loraplex_structured_requests",
+        "Requests admitted with a structured output (JSON schema, regex, grammar, choice).",
+        value=stats.num_structured_requests,
+    )
+    yield CounterMetricFamily(
+        "loraplex_grammar_compiles",
+        "Structured-output grammars compiled (cache misses that started a compile).",
+        value=stats.grammar_compiles,
+    )
+    yield CounterMetricFamily(
+        "loraplex_grammar_cache_hits",
+        "Structured-output specs found compiled (or refused) in the grammar cache.",
+        value=stats.grammar_cache_hits,
+    )
+    yield CounterMetricFamily(
+        "loraplex_grammar_cache_misses",
+        "Structured-output specs that waited for a compile (their own or one running).",
+        value=stats.grammar_cache_misses,
+    )
+    yield CounterMetricFamily(
+        "loraplex_grammar_refusals",
+        "Structured-output specs refused when compiled (invalid, or past a limit).",
+        value=stats.grammar_refusals,
+    )
+    yield CounterMetricFamily(
+        "loraplex_grammar_compile_timeouts",
+        "Structured-output compiles refused for taking longer than the compile timeout.",
+        value=stats.grammar_timeouts,
+    )
+    yield CounterMetricFamily(
+        "loraplex_grammar_compile_seconds",
+        "Time spent compiling structured-output grammars.",
+        value=stats.grammar_compile_s,
+    )
 
 
 def _worker_metrics(engine: EngineClient) -> Iterator[Metric]:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from engine.chat_template import render_chat_ids, template_has_tools
 from engine.client import (
     LOCAL_WORKER_ID,
     AdapterInfo,
@@ -26,6 +27,7 @@ from engine.errors import EngineDeadError
 from engine.model_loader import ModelConfig
 from engine.models.registry import model_class_for
 from engine.request import EngineRequest, RequestOutput, TenantContext
+from engine.structured import CompiledGrammar, GrammarCompiler, StructuredOutput
 
 log = logging.getLogger("loraplex.engine")
 
@@ -56,7 +58,8 @@ class AsyncEngine:
         self.config = config
         self._core: EngineCore | None = None
         self._lock = threading.Condition()
-        self._pending_adds: list[EngineRequest] = []
+        # With the compiled grammar of a structured request.
+        self._pending_adds: list[tuple[EngineRequest, CompiledGrammar | None]] = []
         self._pending_aborts: list[str] = []
         self._streams: dict[str, _Stream] = {}
         self._thread: threading.Thread | None = None
@@ -87,6 +90,8 @@ class AsyncEngine:
             await asyncio.to_thread(self._thread.join, 30.0)
         if self._core is not None and self._core.adapter_cache is not None:
             self._core.adapter_cache.close()
+        if self._core is not None:
+            self._core.constrained.close()
         self._fail_all(EngineDeadError("engine shut down"))
 
     @property
@@ -107,13 +112,21 @@ class AsyncEngine:
     def encode(self, text: str) -> list[int]:
         return list(self.core.tokenizer(text).input_ids)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
-        tokenizer = self.core.tokenizer
-        rendered = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=False
-        )
-        # NOTE: templates write their own special tokens (BOS included) into the text.
-        return list(tokenizer(rendered, add_special_tokens=False).input_ids)
+    @property
+    def vocab_size(self) -> int:
+        return self.core.runner.vocab_size
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
+        return render_chat_ids(self.core.tokenizer, messages, tools)
+
+    @property
+    def chat_template_has_tools(self) -> bool:
+        return template_has_tools(self.core.tokenizer)
+
+    def check_structured_output(self, spec: StructuredOutput) -> None:
+        self.core.constrained.compiler.compile(spec)
 
     def token_text(self, token_id: int) -> str:
         return self.core.token_text(token_id)
@@ -145,6 +158,7 @@ class AsyncEngine:
             num_adapters=len(core.list_adapters()),
             adapter_cache=None if core.adapter_cache is None else core.adapter_cache.stats(),
             num_step_failures=core.num_step_failures,
+            **structured_stats(core),
         )
 
     def get_adapter(self, name: str) -> AdapterInfo | None:
@@ -202,14 +216,22 @@ class AsyncEngine:
         self.core.check_request(
             len(request.prompt_token_ids), request.sampling.max_tokens, request.tenant
         )
+        grammar = None
+        spec = request.sampling.structured
+        if spec is not None:
+            # Compiled on the compiler's threads, never the step thread; a refusal is
+            # raised here, before anything is queued.
+            grammar = await asyncio.wrap_future((await self._compiler()).compile_async(spec))
         stream = _Stream(loop=asyncio.get_running_loop())
         with self._lock:
             if self._failure is not None:  # failed since the check above
                 raise EngineDeadError(f"engine failed: {self._failure}")
+            if self._stopping:
+                raise EngineDeadError("engine is shutting down")
             if request_id in self._streams:
                 raise ValueError(f"duplicate request id {request_id!r}")
             self._streams[request_id] = stream
-            self._pending_adds.append(request)
+            self._pending_adds.append((request, grammar))
             self._lock.notify_all()
         try:
             while True:
@@ -222,6 +244,13 @@ class AsyncEngine:
         finally:
             if not stream.finished:
                 self.abort(request_id)
+
+    async def _compiler(self) -> GrammarCompiler:
+        constrained = self.core.constrained
+        if constrained.has_compiler:
+            return constrained.compiler
+        # Building it reads the whole vocabulary: off the event loop, once.
+        return await asyncio.to_thread(lambda: constrained.compiler)
 
     def route(self, request_ids: Sequence[str], hint: RouteHint) -> Route | None:
         return None  # every request runs here
@@ -282,11 +311,11 @@ class AsyncEngine:
                     aborts, self._pending_aborts = self._pending_aborts, []
                 for request_id in aborts:
                     core.abort_request(request_id)
-                for request in adds:
+                for request, grammar in adds:
                     if request.request_id in aborts:
                         continue
                     try:
-                        core.add_request(request)
+                        core.add_request(request, grammar)
                     except ValueError as exc:
                         self._deliver([], {request.request_id: exc})
                 result = core.step()
@@ -355,6 +384,19 @@ def max_adapter_bytes(model_config: ModelConfig, max_rank: int) -> int:
     # (name, dtype, shape, offsets) stays well under 256 bytes of JSON.
     weights = 4 * num_params * model_config.num_layers + 256 * num_tensors
     return weights + _ADAPTER_FILES_SLACK
+
+
+def structured_stats(core: EngineCore) -> dict[str, Any]:
+    """The EngineStats fields of structured outputs."""
+    grammar = core.constrained.stats()
+    fields: dict[str, Any] = {"num_structured_requests": core.constrained.num_admitted}
+    if grammar is not None:
+        fields.update(
+            grammar_compiles=grammar.num_compiles, grammar_cache_hits=grammar.hits,
+            grammar_cache_misses=grammar.misses, grammar_refusals=grammar.num_refused,
+            grammar_timeouts=grammar.num_timeouts, grammar_compile_s=grammar.compile_s,
+        )
+    return fields
 
 
 def model_id_for(model: str, model_dir: Path) -> str:

@@ -20,6 +20,7 @@ from engine.errors import (
 )
 from engine.request import EngineRequest, RequestOutput, TenantContext
 from engine.stats import AdapterCacheStats, LatencyHistogram
+from engine.structured.spec import StructuredOutput
 
 __all__ = [
     "LOCAL_WORKER_ID",
@@ -92,6 +93,15 @@ class EngineStats:
     num_adapters: int = 0  # adapters registered
     adapter_cache: AdapterCacheStats | None = None  # None: LoRA disabled
     num_step_failures: int = 0  # engine steps that raised, cumulative
+    # Structured outputs, cumulative: constrained requests admitted, and the grammar
+    # compiler's counters (engine/structured/compiler.py GrammarCacheStats).
+    num_structured_requests: int = 0
+    grammar_compiles: int = 0  # compiles started
+    grammar_cache_hits: int = 0  # compile calls answered from the cache
+    grammar_cache_misses: int = 0  # compile calls that waited for a compile
+    grammar_refusals: int = 0  # compiles that ended in a refusal
+    grammar_timeouts: int = 0  # compile calls refused for taking too long
+    grammar_compile_s: float = 0.0  # compile time of finished compiles
 
 
 @dataclass(slots=True)
@@ -147,8 +157,27 @@ class EngineClient(Protocol):
         """Tokenize a completion prompt the way the model expects (BOS if it uses one)."""
         ...
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
-        """Render chat messages with the model's template, ending with the assistant turn."""
+    @property
+    def vocab_size(self) -> int:
+        """Width of the model's vocabulary: prompt token ids must be below it."""
+        ...
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
+        """Render chat messages with the model's template, ending with the assistant turn;
+        `tools` (OpenAI function definitions) go to the template's `tools` variable."""
+        ...
+
+    @property
+    def chat_template_has_tools(self) -> bool:
+        """The chat template reads a `tools` variable (it can show the model tools)."""
+        ...
+
+    def check_structured_output(self, spec: StructuredOutput) -> None:
+        """Raise the StructuredOutputError (a RequestRejected) the engine would refuse
+        `spec` with, now (blocking up to the compile timeout: call it off the event
+        loop). Compiled grammars are cached, so the request's own admission is quick."""
         ...
 
     def token_text(self, token_id: int) -> str:

@@ -43,6 +43,15 @@ class EngineConfig:
     # Steps in a row in which nothing could run (each request failed on its own, and so
     # did a one-token probe of the device) before the engine declares itself failed.
     max_consecutive_step_failures: int = 3
+    # Structured outputs (engine/structured/): a spec that takes longer to compile is
+    # refused (grammar_compile_timeout); compiled grammars (and refusals) kept per spec;
+    # threads compiling them, off the step loop.
+    grammar_compile_timeout_s: float = 2.0
+    grammar_cache_size: int = 256
+    grammar_compile_threads: int = 2
+    # Threads filling a step's token masks; 1: on the step thread (see TokenMasker's NOTE);
+    # None: llguidance's pool of 80% of the cores.
+    grammar_mask_threads: int | None = 1
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -59,6 +68,12 @@ class EngineConfig:
             raise ValueError(f"aging_s must be > 0 (or None: no aging), got {self.aging_s}")
         if self.max_consecutive_step_failures < 1:
             raise ValueError("max_consecutive_step_failures must be >= 1")
+        if not self.grammar_compile_timeout_s > 0:
+            raise ValueError("grammar_compile_timeout_s must be > 0")
+        if self.grammar_cache_size < 1 or self.grammar_compile_threads < 1:
+            raise ValueError("grammar_cache_size and grammar_compile_threads must be >= 1")
+        if self.grammar_mask_threads is not None and self.grammar_mask_threads < 1:
+            raise ValueError("grammar_mask_threads must be >= 1 (or None: llguidance's pool)")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.block_size:
             raise ValueError(
                 f"kv_cache_tokens ({self.kv_cache_tokens}) must hold at least one block "

@@ -13,6 +13,7 @@ from engine.adapters import AdapterManager
 from engine.block_manager import BlockManager
 from engine.client import AdapterInfo, EngineStepError, RequestRejected
 from engine.config import EngineConfig
+from engine.constrained import ConstrainedDecoding
 from engine.faults import FaultPlan
 from engine.isolation import Execute, forward_one_by_one, probe_device, sample_one_by_one
 from engine.limits import ContextLimits, check_prompt_ids, resolve_max_tokens
@@ -24,6 +25,7 @@ from engine.output_processor import OutputProcessor, request_output
 from engine.request import EngineRequest, Request, RequestOutput, RequestStatus, TenantContext
 from engine.sampler import Sampler, SampleResult
 from engine.scheduler import Scheduler
+from engine.structured import CompiledGrammar
 
 __all__ = ["EngineCore", "RequestRejected", "StepResult"]  # RequestRejected: what it raises
 
@@ -64,6 +66,10 @@ class EngineCore:
         self.outputs = OutputProcessor(
             self.tokenizer, self.runner.model_config.eos_token_ids, self.max_model_len,
             self._finish_request,
+        )
+        # The grammars end documents with the tokens that end requests.
+        self.constrained = ConstrainedDecoding(
+            config, self.tokenizer, self.runner.vocab_size, self.outputs.eos_token_ids
         )
         self._failures: dict[str, BaseException] = {}  # for the next StepResult
         self.num_step_failures = 0  # steps that raised (their requests ran one by one)
@@ -119,18 +125,28 @@ class EngineCore:
     def token_text(self, token_id: int) -> str:
         return self.outputs.token_text(token_id)
 
-    def add_request(self, request: EngineRequest) -> Request:
-        """Queue a request; returns the engine's own state of it."""
+    def add_request(
+        self, request: EngineRequest, grammar: CompiledGrammar | None = None
+    ) -> Request:
+        """Queue a request; returns the engine's own state of it. A structured request
+        (sampling.structured) uses `grammar`, compiled from its spec off the step loop
+        (AsyncEngine does so); without one, this waits for the compile (raising its
+        StructuredOutputError)."""
         self.check_prompt_ids(request.prompt_token_ids)
         self.check_request(
             len(request.prompt_token_ids), request.sampling.max_tokens, request.tenant
         )
         state = Request.of(request, eos_token_id=self.tokenizer.eos_token_id)
+        if request.request_id in self.outputs:
+            # Refused here, before its matcher would replace the live request's.
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        self.constrained.bind(state, grammar)
         self.adapters.bind(state)  # the scheduler refuses a duplicate id: unbound below
         try:
             self.scheduler.add_request(state)
         except BaseException:
             self.adapters.unbind(state)
+            self.constrained.unbind(state)
             raise
         self.outputs.add(state)
         return state
@@ -141,6 +157,7 @@ class EngineCore:
             return None
         self.scheduler.abort_request(request_id)
         self.adapters.unbind(request)
+        self.constrained.unbind(request)
         return request_output(request)
 
     def has_unfinished_requests(self) -> bool:
@@ -149,6 +166,7 @@ class EngineCore:
     def _finish_request(self, request: Request, status: RequestStatus) -> None:
         self.scheduler.finish_request(request, status)
         self.adapters.unbind(request)
+        self.constrained.unbind(request)
 
     def step(self) -> StepResult:
         try:
@@ -188,6 +206,11 @@ class EngineCore:
         self.scheduler.update_after_step(scheduled)
         sampling = [c.request for c in scheduled.chunks if c.samples]
         results: list[SampleResult | None] = []
+        # NOTE: one dict test when no request is constrained (the throughput path).
+        constrained = bool(self.constrained.live) and bool(sampling)
+        if constrained:
+            # In place, so that sampling one by one after a failure samples masked rows.
+            mask_failed = self.constrained.mask(logits, sampling)
         if sampling:
             try:
                 results = list(self.sampler(logits, sampling))
@@ -195,6 +218,8 @@ class EngineCore:
                 self._note_failure("sampling", exc)
                 results, failed_samples = sample_one_by_one(self.sampler, logits, sampling)
                 failed += failed_samples
+        if constrained:
+            failed += self.constrained.advance(sampling, results, mask_failed)
         outputs, failed_outputs = self.outputs.append_tokens(sampling, results)
         failed += failed_outputs
         if failed:

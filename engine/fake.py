@@ -15,6 +15,9 @@ costs the same whatever its prompt). It finishes with "length" at max_tokens, wi
 after `eos_after` tokens (a stand-in for EOS) or when a stop string appears (the stop
 string and anything after it never reach the client), or with "abort" after abort().
 Outputs come one token at a time, or, with `instant=True`, all in one finished output.
+Structured outputs are accepted and not enforced: with byte tokens there is no grammar to
+compile, so `check_structured_output` refuses nothing and the output ignores the spec.
+Its chat template renders tools as one line before the messages.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from engine.request import (
     TenantContext,
     TokenLogprob,
 )
+from engine.structured import StructuredOutput
 
 FILLER = b"the quick brown fox jumps over the lazy dog "
 VOCAB_SIZE = 256
@@ -76,10 +80,12 @@ def fake_top(token_id: int, k: int) -> list[tuple[int, float]]:
     return [((token_id + j) % VOCAB_SIZE, fake_logprob(token_id) - j) for j in range(k)]
 
 
-def render_chat(messages: list[dict[str, Any]]) -> str:
-    return "".join(f"<|{m['role']}|>{m.get('content') or ''}\n" for m in messages) + (
-        "<|assistant|>"
-    )
+def render_chat(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+                ) -> str:
+    head = f"<|tools|>{json.dumps(tools, separators=(',', ':'))}\n" if tools else ""
+    return head + "".join(
+        f"<|{m['role']}|>{m.get('content') or ''}\n" for m in messages
+    ) + "<|assistant|>"
 
 
 class FakeEngine:
@@ -155,10 +161,23 @@ class FakeEngine:
     def encode(self, text: str) -> list[int]:
         return list(text.encode())
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
+    @property
+    def vocab_size(self) -> int:
+        return VOCAB_SIZE
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
         if any(m["role"] == "assistant" and m.get("content") == "RAISE" for m in messages):
             raise ValueError("the template refuses this conversation")
-        return self.encode(render_chat(messages))
+        return self.encode(render_chat(messages, tools))
+
+    @property
+    def chat_template_has_tools(self) -> bool:
+        return True
+
+    def check_structured_output(self, spec: StructuredOutput) -> None:
+        pass  # nothing to compile against byte tokens: every spec is served, unenforced
 
     def token_text(self, token_id: int) -> str:
         if token_id < VOCAB_SIZE:

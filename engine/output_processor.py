@@ -24,8 +24,9 @@ class _Tracked:
 
 class OutputProcessor:
     """Tracks the live requests of an engine. A request stops on an EOS token (unless it
-    ignores EOS), one of its stop token ids or stop strings; it ends by length at its
-    max_tokens or the model's context."""
+    ignores EOS), one of its stop token ids or stop strings, or when its structured output
+    is complete (its grammar allows nothing more, whether it ignores EOS or not); it ends
+    by length at its max_tokens or the model's context."""
 
     def __init__(
         self,
@@ -85,13 +86,15 @@ class OutputProcessor:
             request.first_token_time = now
         status: RequestStatus | None = None
         text = ""
-        if (not params.ignore_eos and token_id in self.eos_token_ids) or (
+        # The matcher has already accepted token_id (engine/constrained.py).
+        grammar_done = request.matcher is not None and request.matcher.is_finished
+        if ((not params.ignore_eos or grammar_done) and token_id in self.eos_token_ids) or (
             token_id in params.stop_token_ids
         ):
             status = RequestStatus.FINISHED_STOPPED
         else:
             text, stopped = tracked.detokenizer.add_token(token_id)
-            if stopped:
+            if stopped or grammar_done:
                 status = RequestStatus.FINISHED_STOPPED
         if status is None and (
             request.num_output_tokens >= params.max_tokens

@@ -6,8 +6,14 @@ import enum
 import math
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+from engine.structured.spec import StructuredOutput
+
+if TYPE_CHECKING:
+    from engine.structured.matcher import GrammarMatcher
 
 ANONYMOUS_TENANT = "-"  # the one scheduling tenant of every request that names none
 
@@ -58,6 +64,11 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; k >= 0: chosen token + top-k alternatives
+    # The output must follow this spec (engine/structured/). Logprobs are then those of the
+    # masked distribution, the one actually sampled from: refused tokens never appear.
+    # NOTE: a grammar that is complete (nothing but EOS may follow) ends the request with
+    # "stop", ignore_eos or not: sampling on past it could only produce EOS.
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         # NOTE: every float is checked finite: `nan < 0` is False, so a NaN would pass
@@ -144,6 +155,9 @@ class Request:
     num_preemptions: int = 0
     generator: torch.Generator | None = None
     first_token_time: float | None = None
+    # Where the output stands in its grammar (SamplingParams.structured); None: free.
+    # Advanced only by newly sampled tokens, so a recompute after preemption replays none.
+    matcher: GrammarMatcher | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

@@ -296,7 +296,9 @@ def compute_logprobs(
     """Logprobs of the chosen tokens and the best alternatives, for rows that asked.
 
     NOTE: computed from the model's raw logits, before penalties and temperature, so they
-    describe the model's distribution (what OpenAI reports), not the sampling one.
+    describe the model's distribution (what OpenAI reports), not the sampling one. The
+    rows of structured outputs come masked (engine/constrained.py): theirs are those of
+    the model's distribution over the tokens the grammar allows.
     """
     rows = [i for i, p in enumerate(params) if p.logprobs is not None]
     result: list[TokenLogprob | None] = [None] * len(params)

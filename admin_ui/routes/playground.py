@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +28,7 @@ from app import tenants as crud
 from app.api.deps import SessionDep
 from app.api.errors import APIError, validation_error
 from app.api.generation import serve_generation
-from app.api.protocol import ChatCompletionRequest, ChatCompletionResponse, ChatMessage
+from app.api.protocol import ChatCompletionRequest, ChatCompletionResponse
 from app.api.rendering import ChatRenderer
 from app.api.serving import plan_chat
 from app.api.state import AppState, AppStateDep
@@ -37,6 +38,10 @@ from app.core.principal import Principal
 router = APIRouter()
 
 DEFAULT_MAX_TOKENS = 64
+# What the answer may be: free text, a document valid against a JSON schema, or a call
+# of one function (`tool_choice: required`); the form's `spec` holds the schema or the
+# function definition, as JSON.
+OUTPUTS = (("text", "Text"), ("json_schema", "JSON schema"), ("tool", "A tool call"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,24 +82,46 @@ def _page(
         "tenants": [(t.id, t.name) for t in tenants],
         "adapters": _adapter_options(state, names),
         "base_model": state.engine.model_id,
-        "values": values, "answers": answers, "error": error,
+        "values": values, "answers": answers, "error": error, "outputs": OUTPUTS,
     }, status_code=status_code)
 
 
 @router.get(PREFIX + "/playground", response_class=HTMLResponse)
 def playground_page(request: Request, authed: AuthedDep, session: SessionDep,
                     state: AppStateDep) -> HTMLResponse:
-    values = {"tenant_id": "", "adapter": "", "prompt": "", "max_tokens": DEFAULT_MAX_TOKENS}
+    values = {"tenant_id": "", "adapter": "", "prompt": "", "max_tokens": DEFAULT_MAX_TOKENS,
+              "output": "text", "spec": ""}
     return _page(request, authed, session, state, values=values)
 
 
-async def _answer(request: Request, state: AppState, principal: Principal, model: str,
-                  prompt: str, max_tokens: int) -> Answer:
+def _constraint(output: str, spec: str) -> dict[str, Any]:
+    """The chat request fields the chosen output asks for (FormProblem when the JSON of
+    `spec` is not what it needs)."""
+    if output == "text":
+        return {}
     try:
-        body = ChatCompletionRequest(
-            model=model, messages=[ChatMessage(role="user", content=prompt)],
-            max_tokens=max_tokens, temperature=0,
-        )
+        value = json.loads(spec)
+    except ValueError as exc:
+        raise forms.FormProblem(f"The {_label(output)} is not valid JSON: {exc}.") from exc
+    if not isinstance(value, dict):
+        raise forms.FormProblem(f"The {_label(output)} must be a JSON object.")
+    if output == "json_schema":
+        return {"response_format": {"type": "json_schema", "json_schema": {
+            "name": "answer", "schema": value, "strict": True}}}
+    return {"tools": [{"type": "function", "function": value}], "tool_choice": "required"}
+
+
+def _label(output: str) -> str:
+    return "JSON schema" if output == "json_schema" else "function definition"
+
+
+async def _answer(request: Request, state: AppState, principal: Principal, model: str,
+                  prompt: str, max_tokens: int, constraint: dict[str, Any]) -> Answer:
+    try:
+        body = ChatCompletionRequest.model_validate({
+            "model": model, "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": max_tokens, "temperature": 0, **constraint,
+        })
         plan = await asyncio.to_thread(plan_chat, state, body, principal)  # off the loop
         renderer = ChatRenderer(plan, state.engine.token_text)
         response = await serve_generation(request, state, plan, renderer)
@@ -106,8 +133,11 @@ async def _answer(request: Request, state: AppState, principal: Principal, model
         return Answer(model, error=f"The request ended with status {response.status_code}.")
     result = ChatCompletionResponse.model_validate_json(bytes(response.body))
     choice = result.choices[0]
+    text = choice.message.content or ""
+    for call in choice.message.tool_calls or ():
+        text += ("\n" if text else "") + f"{call.function.name}({call.function.arguments})"
     return Answer(
-        model=model, text=choice.message.content or "", finish_reason=choice.finish_reason,
+        model=model, text=text, finish_reason=choice.finish_reason,
         prompt_tokens=result.usage.prompt_tokens,
         completion_tokens=result.usage.completion_tokens,
     )
@@ -117,9 +147,13 @@ async def _answer(request: Request, state: AppState, principal: Principal, model
 async def run_playground(request: Request, authed: AuthedDep, form: CheckedForm,
                          session: SessionDep, state: AppStateDep) -> HTMLResponse:
     values: dict[str, Any] = {name: forms.text(form, name)
-                              for name in ("tenant_id", "adapter", "prompt")}
+                              for name in ("tenant_id", "adapter", "prompt", "output", "spec")}
+    if values["output"] not in dict(OUTPUTS):
+        values["output"] = "text"
+    values["max_tokens"] = forms.text(form, "max_tokens")  # as typed, until it parses
     try:
         max_tokens = forms.optional_int(form, "max_tokens", "Max tokens") or DEFAULT_MAX_TOKENS
+        constraint = _constraint(values["output"], values["spec"])
     except forms.FormProblem as exc:
         return await run_in_threadpool(
             _page, request, authed, session, state, values=values, error=str(exc),
@@ -141,7 +175,7 @@ async def run_playground(request: Request, authed: AuthedDep, form: CheckedForm,
     acting = dataclasses.replace(authed.principal, acting_for=tenant)
     # One after the other: both read the same request's disconnect.
     answers = [
-        await _answer(request, state, acting, model, values["prompt"], max_tokens)
+        await _answer(request, state, acting, model, values["prompt"], max_tokens, constraint)
         for model in (state.engine.model_id, values["adapter"])
     ]
     # The page reads the database: off the event loop.

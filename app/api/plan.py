@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from app.api.tools import NO_TOOLS, ToolPlan
 from app.core.principal import AdapterRef, Principal
 from app.models import Isolation
 from engine.client import RouteHint
@@ -40,6 +41,9 @@ class GenerationPlan:
     kv_share: float | None = None
     # With `echo`: each prompt's text, which every choice of that prompt starts with.
     echo_texts: tuple[str, ...] | None = None
+    # The functions the model may call (chat and responses); their calls are parsed out
+    # of its text.
+    tools: ToolPlan = NO_TOOLS
 
     @property
     def num_choices(self) -> int:

@@ -31,6 +31,7 @@ from app.api.protocol import (
     UsageInfo,
 )
 from app.api.streaming import SSE_DONE, sse_error, sse_event
+from app.api.tool_calls import ToolCallStreamParser, parse_tool_calls
 from engine.request import RequestOutput, TokenLogprob
 
 # The text of one vocabulary token on its own (the engine's `token_text`).
@@ -198,12 +199,16 @@ class CompletionRenderer:
 
 
 class ChatRenderer:
-    """POST /v1/chat/completions."""
+    """POST /v1/chat/completions; with tools, the calls are parsed out of the text."""
 
     def __init__(self, plan: GenerationPlan, token_text: TokenText) -> None:
         self.plan = plan
         self.token_text = token_text
         self.num_top = _num_top(plan)
+        self._parsers = (
+            [ToolCallStreamParser(plan.tools) for _ in range(plan.num_choices)]
+            if plan.tools.functions else None
+        )
 
     def _logprobs(
         self, logprobs: Sequence[TokenLogprob], texts: Sequence[str]
@@ -212,19 +217,25 @@ class ChatRenderer:
             return None
         return chat_logprobs(self.token_text, logprobs, texts, num_top=self.num_top)
 
+    def _message(self, text: str) -> ChatResponseMessage:
+        if self._parsers is None:
+            return ChatResponseMessage(content=text)
+        content, calls = parse_tool_calls(text, self.plan.tools)
+        return ChatResponseMessage(content=content, tool_calls=calls or None)
+
     def response(
         self, results: Sequence[ChoiceResult], usage: UsageInfo
     ) -> ChatCompletionResponse:
         plan = self.plan
-        choices = [
-            ChatChoice(
+        choices = []
+        for index, result in enumerate(results):
+            message = self._message(result.text)
+            choices.append(ChatChoice(
                 index=index,
-                message=ChatResponseMessage(content=result.text),
+                message=message,
                 logprobs=self._logprobs(result.logprobs, result.token_texts),
-                finish_reason=_finish_reason(result.finish_reason),
-            )
-            for index, result in enumerate(results)
-        ]
+                finish_reason=_chat_finish_reason(result.finish_reason, bool(message.tool_calls)),
+            ))
         return ChatCompletionResponse(
             id=plan.response_id, created=plan.created, model=plan.model, choices=choices,
             usage=usage,
@@ -237,16 +248,29 @@ class ChatRenderer:
 
     def stream_output(self, index: int, output: RequestOutput) -> Iterator[bytes]:
         if output.new_text or output.new_logprobs:
-            choice = ChatChunkChoice(
-                index=index,
-                delta=DeltaMessage(content=output.new_text),
-                logprobs=self._logprobs(output.new_logprobs, output.new_token_texts),
-            )
-            yield self._chunk([choice])
+            logprobs = self._logprobs(output.new_logprobs, output.new_token_texts)
+            if self._parsers is None:
+                deltas = [DeltaMessage(content=output.new_text)]
+            else:
+                # Text that may open a call is held back: then the logprobs go alone.
+                deltas = self._parsers[index].feed(output.new_text) or (
+                    [DeltaMessage()] if logprobs is not None else []
+                )
+            for i, delta in enumerate(deltas):
+                choice = ChatChunkChoice(
+                    index=index, delta=delta, logprobs=logprobs if i == 0 else None
+                )
+                yield self._chunk([choice])
         if output.finished:
+            has_calls = False
+            if self._parsers is not None:
+                parser = self._parsers[index]
+                for delta in parser.finish():
+                    yield self._chunk([ChatChunkChoice(index=index, delta=delta)])
+                has_calls = parser.num_calls > 0
             choice = ChatChunkChoice(
                 index=index, delta=DeltaMessage(),
-                finish_reason=_finish_reason(output.finish_reason),
+                finish_reason=_chat_finish_reason(output.finish_reason, has_calls),
             )
             yield self._chunk([choice])
 
@@ -265,3 +289,10 @@ class ChatRenderer:
             usage=usage,
         )
         return _chunk(chunk, plan)
+
+
+def _chat_finish_reason(reason: str | None, has_calls: bool) -> FinishReason | None:
+    """OpenAI's "tool_calls" for a turn that ended with calls (not one cut short)."""
+    if has_calls and reason == "stop":
+        return "tool_calls"
+    return _finish_reason(reason)

@@ -11,13 +11,15 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from app.api.choices import ChoiceResult
 from app.api.errors import APIError
 from app.api.plan import GenerationPlan
-from app.api.protocol import UsageInfo
+from app.api.protocol import DeltaMessage, ToolCall, UsageInfo
 from app.api.protocol_responses import (
+    FunctionCallOutput,
     IncompleteDetails,
     InputTokensDetails,
     OutputMessage,
@@ -29,6 +31,7 @@ from app.api.protocol_responses import (
     TextConfig,
     TextFormat,
 )
+from app.api.tool_calls import ToolCallStreamParser, parse_tool_calls
 from engine.request import RequestOutput
 
 
@@ -46,8 +49,24 @@ def _event(payload: dict[str, Any]) -> bytes:
     return f"event: {payload['type']}\ndata: {json.dumps(payload)}\n\n".encode()
 
 
+@dataclass(slots=True)
+class _StreamedCall:
+    output_index: int
+    item_id: str
+    call_id: str
+    name: str
+    arguments: list[str] = field(default_factory=list)
+
+    def item(self, status: str) -> FunctionCallOutput:
+        return FunctionCallOutput(
+            id=self.item_id, call_id=self.call_id, name=self.name,
+            arguments="".join(self.arguments), status=status,  # type: ignore[arg-type]
+        )
+
+
 class ResponsesRenderer:
-    """POST /v1/responses (one choice: the Responses API has no `n`)."""
+    """POST /v1/responses (one choice: the Responses API has no `n`); with function
+    tools, the calls are parsed out of the text into `function_call` items."""
 
     def __init__(self, plan: GenerationPlan, body: ResponsesRequest) -> None:
         assert plan.num_choices == 1
@@ -57,7 +76,10 @@ class ResponsesRenderer:
         self._sequence = 0
         self._text_parts: list[str] = []
         self._finish_reason: str | None = None
-        self._message_open = False
+        self._message_index: int | None = None  # the message's output_index, once open
+        self._num_items = 0
+        self._parser = ToolCallStreamParser(plan.tools) if plan.tools.functions else None
+        self._calls: dict[int, _StreamedCall] = {}  # by the call's index in the turn
 
     # ------------------------------------------------------------ whole objects
 
@@ -103,9 +125,20 @@ class ResponsesRenderer:
     def response(self, results: Sequence[ChoiceResult], usage: UsageInfo) -> ResponseObject:
         (result,) = results
         status = self._done_status(result.finish_reason)
+        content: str | None = result.text
+        calls: list[ToolCall] = []
+        if self._parser is not None:
+            content, calls = parse_tool_calls(result.text, self.plan.tools)
+        output: list[Any] = []
+        if content or not calls:
+            output.append(self._message(content or "", status))
+        output += [
+            FunctionCallOutput(id=f"fc_{uuid.uuid4().hex}", call_id=call.id,
+                               name=call.function.name, arguments=call.function.arguments)
+            for call in calls
+        ]
         return self._object(
-            status=status, output=[self._message(result.text, status)], usage=usage,
-            finish_reason=result.finish_reason,
+            status=status, output=output, usage=usage, finish_reason=result.finish_reason
         )
 
     # ------------------------------------------------------------------ streams
@@ -124,44 +157,92 @@ class ResponsesRenderer:
         yield self._emit("response.in_progress", response=started)
 
     def _open_message(self) -> Iterator[bytes]:
-        if self._message_open:
+        if self._message_index is not None:
             return
-        self._message_open = True
+        self._message_index = self._num_items
+        self._num_items += 1
         item = OutputMessage(id=self.message_id, status="in_progress", content=[])
-        yield self._emit("response.output_item.added", output_index=0, item=self._dump(item))
         yield self._emit(
-            "response.content_part.added", item_id=self.message_id, output_index=0,
-            content_index=0, part=self._dump(OutputText(text="")),
+            "response.output_item.added", output_index=self._message_index, item=self._dump(item)
         )
+        yield self._emit(
+            "response.content_part.added", item_id=self.message_id,
+            output_index=self._message_index, content_index=0, part=self._dump(OutputText(text="")),
+        )
+
+    def _text_delta(self, text: str) -> Iterator[bytes]:
+        yield from self._open_message()
+        self._text_parts.append(text)
+        yield self._emit(
+            "response.output_text.delta", item_id=self.message_id,
+            output_index=self._message_index, content_index=0, delta=text, logprobs=[],
+        )
+
+    def _deltas(self, deltas: list[DeltaMessage]) -> Iterator[bytes]:
+        for delta in deltas:
+            if delta.content:
+                yield from self._text_delta(delta.content)
+            for piece in delta.tool_calls or ():
+                call = self._calls.get(piece.index)
+                if call is None:
+                    assert piece.id is not None and piece.function.name is not None
+                    call = _StreamedCall(self._num_items, f"fc_{uuid.uuid4().hex}", piece.id,
+                                         piece.function.name)
+                    self._num_items += 1
+                    self._calls[piece.index] = call
+                    yield self._emit("response.output_item.added",
+                                     output_index=call.output_index,
+                                     item=self._dump(call.item("in_progress")))
+                if piece.function.arguments:
+                    call.arguments.append(piece.function.arguments)
+                    yield self._emit(
+                        "response.function_call_arguments.delta", item_id=call.item_id,
+                        output_index=call.output_index, delta=piece.function.arguments,
+                    )
 
     def stream_output(self, index: int, output: RequestOutput) -> Iterator[bytes]:
         if output.finished:
             self._finish_reason = output.finish_reason
         if not output.new_text:
             return
-        yield from self._open_message()
-        self._text_parts.append(output.new_text)
-        yield self._emit(
-            "response.output_text.delta", item_id=self.message_id, output_index=0,
-            content_index=0, delta=output.new_text, logprobs=[],
-        )
+        if self._parser is None:
+            yield from self._text_delta(output.new_text)
+        else:
+            yield from self._deltas(self._parser.feed(output.new_text))
 
     def stream_end(self, usage: UsageInfo) -> Iterator[bytes]:
-        yield from self._open_message()
-        text = "".join(self._text_parts)
+        if self._parser is not None:
+            yield from self._deltas(self._parser.finish())
         status = self._done_status(self._finish_reason)
-        yield self._emit(
-            "response.output_text.done", item_id=self.message_id, output_index=0,
-            content_index=0, text=text, logprobs=[],
-        )
-        yield self._emit(
-            "response.content_part.done", item_id=self.message_id, output_index=0,
-            content_index=0, part=self._dump(OutputText(text=text)),
-        )
-        message = self._message(text, status)
-        yield self._emit("response.output_item.done", output_index=0, item=self._dump(message))
+        items: list[tuple[int, Any]] = []
+        if self._message_index is not None or not self._calls:
+            yield from self._open_message()
+            assert self._message_index is not None
+            text = "".join(self._text_parts)
+            yield self._emit(
+                "response.output_text.done", item_id=self.message_id,
+                output_index=self._message_index, content_index=0, text=text, logprobs=[],
+            )
+            yield self._emit(
+                "response.content_part.done", item_id=self.message_id,
+                output_index=self._message_index, content_index=0,
+                part=self._dump(OutputText(text=text)),
+            )
+            message = self._message(text, status)
+            yield self._emit("response.output_item.done", output_index=self._message_index,
+                             item=self._dump(message))
+            items.append((self._message_index, message))
+        for call in self._calls.values():
+            arguments = "".join(call.arguments)
+            yield self._emit("response.function_call_arguments.done", item_id=call.item_id,
+                             output_index=call.output_index, arguments=arguments)
+            done = call.item("completed")
+            yield self._emit("response.output_item.done", output_index=call.output_index,
+                             item=self._dump(done))
+            items.append((call.output_index, done))
+        output = [item for _, item in sorted(items, key=lambda pair: pair[0])]
         final = self._object(
-            status=status, output=[message], usage=usage, finish_reason=self._finish_reason
+            status=status, output=output, usage=usage, finish_reason=self._finish_reason
         )
         kind = "response.incomplete" if final.status == "incomplete" else "response.completed"
         yield self._emit(kind, response=self._dump(final))

@@ -23,18 +23,23 @@ from app.api.protocol import (
     bounds_of,
 )
 from app.api.state import AppState
+from app.api.structured import check_structured_output, structured_output_of
+from app.api.tool_prompt import chat_template_messages
+from app.api.tools import tool_constraint, tool_plan
 from app.core.principal import REGISTRY_ENGINE_PREFIX, Principal
 from engine.client import EngineClient
 from engine.errors import RequestRejected
-from engine.limits import ContextLimits, resolve_max_tokens
+from engine.limits import ContextLimits, check_prompt_ids, resolve_max_tokens
 from engine.request import SamplingParams
+from engine.structured import StructuredOutput
 
 BodyT = TypeVar("BodyT", bound=BaseModel)
 
 # The request fields that pass to the engine's SamplingParams under their own name (the
 # others are derived below: max_tokens, top_k, seed, stop, ignore_eos, logprobs).
 _SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams)) - {
-    "max_tokens", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs"
+    "max_tokens", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs",
+    "structured",
 }
 
 
@@ -203,8 +208,19 @@ def _priority(principal: Principal, requested: int | None) -> int:
     return max(base, requested or 0)
 
 
+def _checked_constraint(
+    state: AppState, constraint: tuple[str, StructuredOutput] | None
+) -> StructuredOutput | None:
+    if constraint is None:
+        return None
+    param, spec = constraint
+    check_structured_output(state.engine, spec, param=param)
+    return spec
+
+
 def _sampling_per_choice(
-    body: GenerationFields, *, max_tokens: int, stop: list[str], logprobs: int | None
+    body: GenerationFields, *, max_tokens: int, stop: list[str], logprobs: int | None,
+    structured: StructuredOutput | None = None,
 ) -> list[SamplingParams]:
     given = {name: getattr(body, name) for name in _SAMPLING_FIELDS}
     same = {name: value for name, value in given.items() if value is not None}
@@ -217,6 +233,7 @@ def _sampling_per_choice(
             stop=list(stop),
             ignore_eos=bool(body.ignore_eos),
             logprobs=logprobs,
+            structured=structured,
             **same,
         )
         for i in range(body.n or 1)
@@ -253,6 +270,11 @@ def _completion_prompts(
                 raise invalid_request(
                     "Token ids in 'prompt' must be non-negative.", param="prompt"
                 )
+            # Refused here, not by the engine: a stream would already have begun.
+            try:
+                check_prompt_ids(token_ids, engine.vocab_size)
+            except RequestRejected as exc:
+                raise rejected(exc, model=None) from exc
         if not token_ids:
             raise invalid_request("'prompt' must not be empty.", param="prompt")
         prompts.append(token_ids)
@@ -284,6 +306,7 @@ def plan_completion(
     target = resolve_model(state, principal, body.model)
     batch = _prompt_batch(body.prompt)
     prompts = _completion_prompts(state.engine, batch, body.n or 1)
+    structured = _checked_constraint(state, structured_output_of(body))
     sampling = []
     for prompt in prompts:
         max_tokens = _max_tokens_for(
@@ -291,7 +314,8 @@ def plan_completion(
             prompt_param="prompt", max_tokens_param="max_tokens",
         )
         sampling += _sampling_per_choice(
-            body, max_tokens=max_tokens, stop=stop, logprobs=body.logprobs
+            body, max_tokens=max_tokens, stop=stop, logprobs=body.logprobs,
+            structured=structured,
         )
     echo_texts = [_echo_text(state.engine, one) for one in batch] if body.echo else None
     return GenerationPlan(
@@ -311,41 +335,30 @@ def plan_completion(
     )
 
 
-def _chat_messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
-    if not body.messages:
-        raise invalid_request("'messages' must contain at least one message.", param="messages")
-    messages: list[dict[str, Any]] = []
-    for i, message in enumerate(body.messages):
-        content = message.content
-        if isinstance(content, list):
-            texts = []
-            for j, part in enumerate(content):
-                if part.type != "text" or part.text is None:
-                    raise invalid_request(
-                        f"Only text content parts are supported, got type '{part.type}'.",
-                        param=f"messages[{i}].content[{j}]",
-                    )
-                texts.append(part.text)
-            content = "\n".join(texts)
-        # "developer" is OpenAI's newer name for the system role.
-        role = "system" if message.role == "developer" else message.role
-        messages.append({"role": role, "content": content or ""})
-    return messages
-
-
 def plan_chat(
     state: AppState, body: ChatCompletionRequest, principal: Principal, *,
     response_id: str | None = None,
 ) -> GenerationPlan:
     """`response_id`: the id of the response object (default "chatcmpl-<hex>")."""
     arrival = time.monotonic()
-    if body.tools or body.functions:
-        param = "tools" if body.tools else "functions"
-        raise _refuse_unsupported(param, f"'{param}' (function calling) is not supported.")
-    if body.response_format and body.response_format.type != "text":
+    if body.functions:
         raise _refuse_unsupported(
-            "response_format", "Only the 'text' response format is supported."
+            "functions", "'functions' (the legacy form of function calling) is not supported; "
+            "send 'tools'.",
         )
+    if not body.messages:
+        raise invalid_request("'messages' must contain at least one message.", param="messages")
+    tools = tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls)
+    constraint = structured_output_of(body, body.response_format)
+    if tools.functions and constraint is not None:
+        raise invalid_request(
+            f"'{constraint[0]}' cannot be combined with tools the model may call; send "
+            "'tool_choice': 'none' to keep the tools out of this turn.",
+            param=constraint[0], code="invalid_structured_output",
+        )
+    if tools.functions:
+        spec = tool_constraint(tools)
+        constraint = None if spec is None else ("tools", spec)
     # max_completion_tokens is the newer name; it wins when both are sent.
     requested_max_tokens: int | None
     if body.max_completion_tokens is not None:
@@ -362,31 +375,36 @@ def plan_chat(
         raise invalid_request(
             "'top_logprobs' requires 'logprobs' to be true.", param="top_logprobs"
         )
-    messages = _chat_messages(body)
+    prompt = chat_template_messages(
+        body.messages, tools, template_has_tools=state.engine.chat_template_has_tools
+    )
     target = resolve_model(state, principal, body.model)
     try:
-        prompt_token_ids = state.engine.apply_chat_template(messages)
+        prompt_token_ids = state.engine.apply_chat_template(prompt.messages, tools=prompt.tools)
     except ValueError as exc:
         message = f"Could not apply the chat template: {exc}"
         raise invalid_request(message, param="messages") from exc
+    structured = _checked_constraint(state, constraint)
     max_tokens = _max_tokens_for(
         state, principal, len(prompt_token_ids), requested_max_tokens,
         prompt_param="messages", max_tokens_param=max_tokens_param,
     )
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    sampling = _sampling_per_choice(
+        body, max_tokens=max_tokens, stop=stop, logprobs=logprobs, structured=structured
+    )
     return GenerationPlan(
         response_id=response_id or new_response_id("chatcmpl"),
         model=body.model,
         principal=principal,
         target=target,
         prompts=(tuple(prompt_token_ids),),
-        sampling=tuple(
-            _sampling_per_choice(body, max_tokens=max_tokens, stop=stop, logprobs=logprobs)
-        ),
+        sampling=tuple(sampling),
         priority=_priority(principal, body.priority),
         stream=bool(body.stream),
         include_usage=body.include_usage,
         created=int(time.time()),
         arrival=arrival,
         kv_share=state.settings.tenant_kv_share,
+        tools=tools,
     )

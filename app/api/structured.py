@@ -7,14 +7,16 @@ from typing import Any
 
 from app.api.errors import APIError, invalid_request
 from app.api.protocol import ConstrainedFields, ResponseFormat, StructuredOutputs
+from engine.client import EngineClient
 from engine.structured import StructuredOutput, StructuredOutputError
 
 
 def structured_output_of(
     body: ConstrainedFields, response_format: ResponseFormat | None = None
-) -> StructuredOutput | None:
-    """None when the output is free. A request may name one constraint only: two (say a
-    `response_format` and a `guided_regex`) are refused rather than one silently ignored."""
+) -> tuple[str, StructuredOutput] | None:
+    """The constraint and the request field that asked for it; None when the output is
+    free. A request may name one constraint only: two (say a `response_format` and a
+    `guided_regex`) are refused rather than one silently ignored."""
     found: list[tuple[str, StructuredOutput]] = []
     if response_format is not None and response_format.type != "text":
         found.append(("response_format", _of_response_format(response_format)))
@@ -33,7 +35,7 @@ def structured_output_of(
             f"A request may constrain its output one way only; it sent {names}.",
             param=found[1][0], code="invalid_structured_output",
         )
-    return found[0][1] if found else None
+    return found[0] if found else None
 
 
 def _of_response_format(response_format: ResponseFormat) -> StructuredOutput:
@@ -73,6 +75,17 @@ def _build(param: str, kind: str, value: Any, *, strict: bool = False) -> Struct
             return StructuredOutput.choice(value)
         assert kind == "grammar", kind
         return StructuredOutput.grammar(value)
+    except StructuredOutputError as exc:
+        raise structured_output_error(exc, param=param) from exc
+
+
+def check_structured_output(
+    engine: EngineClient, spec: StructuredOutput, *, param: str
+) -> None:
+    """Compile `spec` now (cached for the engine's own admission), so that a schema the
+    engine refuses is a 400 before any stream starts."""
+    try:
+        engine.check_structured_output(spec)
     except StructuredOutputError as exc:
         raise structured_output_error(exc, param=param) from exc
 

@@ -43,6 +43,7 @@ from engine.remote.routing import Candidate, LoadBound, RouteQuery, choose_worke
 from engine.remote.tokenizer import Tokenizing
 from engine.remote.workers import KnownWorker, WorkerPool
 from engine.request import EngineRequest, RequestOutput
+from engine.structured import StructuredOutput
 
 log = logging.getLogger("loraplex.gateway")
 
@@ -169,8 +170,23 @@ class RemoteEngine:
     def encode(self, text: str) -> list[int]:
         return self._tokenizer.encode(text)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
-        return self._tokenizer.apply_chat_template(messages)
+    @property
+    def vocab_size(self) -> int:
+        return self._tokenizer.vocab_size
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
+        return self._tokenizer.apply_chat_template(messages, tools)
+
+    @property
+    def chat_template_has_tools(self) -> bool:
+        return self._tokenizer.chat_template_has_tools
+
+    def check_structured_output(self, spec: StructuredOutput) -> None:
+        # NOTE: on this process's own compiler (the tokenizer's): the worker that gets the
+        # request compiles the spec again, so a refusal here is never a round trip.
+        self._tokenizer.check_structured_output(spec)
 
     def token_text(self, token_id: int) -> str:
         return self._tokenizer.token_text(token_id)
@@ -199,6 +215,13 @@ class RemoteEngine:
             prefix_cache_queries=sum(s.prefix_cache_queries for s in beats),
             num_adapters=len(self.list_adapters()),
             num_step_failures=sum(s.num_step_failures for s in beats),
+            num_structured_requests=sum(s.num_structured_requests for s in beats),
+            grammar_compiles=sum(s.grammar_compiles for s in beats),
+            grammar_cache_hits=sum(s.grammar_cache_hits for s in beats),
+            grammar_cache_misses=sum(s.grammar_cache_misses for s in beats),
+            grammar_refusals=sum(s.grammar_refusals for s in beats),
+            grammar_timeouts=sum(s.grammar_timeouts for s in beats),
+            grammar_compile_s=sum(s.grammar_compile_s for s in beats),
         )
 
     def get_adapter(self, name: str) -> AdapterInfo | None:

@@ -5,6 +5,7 @@ changes are audited under the admin's actor as the admin API audits them."""
 from __future__ import annotations
 
 import io
+import json
 import zipfile
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ ADMIN = bearer(ADMIN_KEY)
 class Admin:
     client: httpx.AsyncClient
     token: str
+    engine: FakeEngine
 
     async def post(self, path: str, **data: str) -> httpx.Response:
         return await self.client.post(UI + path, data={"csrf_token": self.token, **data})
@@ -35,9 +37,11 @@ class Admin:
 async def admin(database_url: str, tmp_path: Path) -> AsyncIterator[Admin]:
     settings = Settings(data_dir=tmp_path / "data", database_url=database_url,
                         admin_key=ADMIN_KEY, secret_key=SECRET_KEY)
-    async with asgi_client(create_app(FakeEngine(), settings)) as client:
+    # Room for the tools prompt of the playground's tool call.
+    engine = FakeEngine(max_model_len=1024)
+    async with asgi_client(create_app(engine, settings)) as client:
         assert (await login(client, ADMIN_KEY)).status_code == 303
-        yield Admin(client, await csrf_of(client))
+        yield Admin(client, await csrf_of(client), engine)
 
 
 def _tenant(name: str, **fields: str) -> dict[str, str]:
@@ -199,3 +203,39 @@ async def test_the_playground_acts_for_the_chosen_tenant(admin: Admin) -> None:
     assert "does not exist or you do not have access" in other.text
     missing = await admin.post("/playground", tenant_id="ten_nobody", **run)
     assert missing.status_code == 400 and "Choose a tenant." in missing.text
+
+
+async def test_the_playground_tries_a_json_schema_and_a_tool(admin: Admin) -> None:
+    created = await admin.post("/tenants", **_tenant("acme"))
+    tenant_id = created.headers["location"].split("/")[-1].split("?")[0]
+    archive = _zip({"adapter_config.json": b'{"peft_type": "LORA", "r": 8}',
+                    "adapter_model.safetensors": b"weights"})
+    uploaded = await admin.client.post(
+        f"{UI}/adapters/upload", headers={"X-CSRF-Token": admin.token},
+        files={"file": ("a.zip", archive, "application/zip")},
+        data={"name": "bot", "tenant_id": tenant_id},
+    )
+    assert uploaded.status_code == 201, uploaded.text
+    page = await admin.client.get(UI + "/playground")
+    assert 'name="output"' in page.text and 'name="spec"' in page.text
+    run = {"tenant_id": tenant_id, "adapter": "bot", "prompt": "Hi", "max_tokens": "10"}
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}}
+    answered = await admin.post("/playground", output="json_schema", spec=json.dumps(schema),
+                                **run)
+    assert answered.status_code == 200, answered.text
+    specs = [s.sampling.structured for s in admin.engine.submitted[-2:]]
+    # Both answers (base model and adapter) ran under the schema, strict.
+    assert all(spec is not None and spec.kind == "json_schema" and spec.strict
+               and json.loads(spec.text) == schema for spec in specs), specs
+    function = {"name": "get_weather", "parameters": schema}
+    answered = await admin.post("/playground", output="tool", spec=json.dumps(function), **run)
+    assert answered.status_code == 200, answered.text
+    specs = [s.sampling.structured for s in admin.engine.submitted[-2:]]
+    assert all(spec is not None and spec.kind == "grammar" and "get_weather" in spec.text
+               for spec in specs), specs
+    for spec, message in [("{not json", "is not valid JSON"), ("[1]", "must be a JSON object")]:
+        refused = await admin.post("/playground", output="json_schema", spec=spec, **run)
+        assert refused.status_code == 400 and message in refused.text, refused.text
+    bad_tool = await admin.post("/playground", output="tool",
+                                spec=json.dumps({"name": "bad name!"}), **run)
+    assert "Invalid function name" in bad_tool.text

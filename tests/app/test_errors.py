@@ -133,9 +133,9 @@ async def test_bad_completion_requests(body: dict[str, Any], expected: dict[str,
 CHAT_CASES = [
     ("no-messages", chat(messages=[]), error(
         "'messages' must contain at least one message.", "messages")),
-    ("tool-role", chat(messages=[{"role": "tool", "content": "x"}]), error(
-        "Invalid value for 'messages[0].role': Input should be 'system', 'developer', 'user' "
-        "or 'assistant'.", "messages[0].role")),
+    ("function-role", chat(messages=[{"role": "function", "content": "x"}]), error(
+        "Invalid value for 'messages[0].role': Input should be 'system', 'developer', 'user', "
+        "'assistant' or 'tool'.", "messages[0].role")),
     ("image-part", chat(messages=[{"role": "user", "content": [
         {"type": "text", "text": "what is this"},
         {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]), error(
@@ -158,11 +158,28 @@ CHAT_CASES = [
     ("top-logprobs-high", chat(logprobs=True, top_logprobs=21), error(
         "Invalid 'top_logprobs': must be at most 20, got 21.", "top_logprobs",
         "integer_above_max_value")),
-    ("tools", chat(tools=[{"type": "function", "function": {"name": "f"}}]), error(
-        "'tools' (function calling) is not supported.", "tools", "unsupported_parameter")),
-    ("json-mode", chat(response_format={"type": "json_object"}), error(
-        "Only the 'text' response format is supported.", "response_format",
-        "unsupported_parameter")),
+    ("functions", chat(functions=[{"name": "f"}]), error(
+        "'functions' (the legacy form of function calling) is not supported; send 'tools'.",
+        "functions", "unsupported_parameter")),
+    ("tool-choice-unknown", chat(tools=[{"type": "function", "function": {"name": "f"}}],
+                                 tool_choice={"type": "function", "function": {"name": "g"}}),
+     error("tool_choice names the function 'g', which is not among the request's tools.",
+           "tool_choice", "invalid_tool_choice")),
+    ("tool-name", chat(tools=[{"type": "function", "function": {"name": "a b"}}]), error(
+        "Invalid function name 'a b': names are 1 to 64 letters, digits, underscores and "
+        "dashes.", "tools[0].function.name", "invalid_tools")),
+    ("schema-missing", chat(response_format={"type": "json_schema",
+                                             "json_schema": {"name": "x"}}), error(
+        "A 'json_schema' response format needs 'json_schema.schema'.",
+        "response_format.json_schema", "invalid_structured_output")),
+    ("two-constraints", chat(response_format={"type": "json_object"}, guided_regex="a+"), error(
+        "A request may constrain its output one way only; it sent 'response_format', "
+        "'guided_regex'.", "guided_regex", "invalid_structured_output")),
+    ("tools-and-format", chat(tools=[{"type": "function", "function": {"name": "f"}}],
+                              response_format={"type": "json_object"}), error(
+        "'response_format' cannot be combined with tools the model may call; send "
+        "'tool_choice': 'none' to keep the tools out of this turn.", "response_format",
+        "invalid_structured_output")),
     ("template-refuses", chat(messages=[{"role": "assistant", "content": "RAISE"}]), error(
         "Could not apply the chat template: the template refuses this conversation",
         "messages")),

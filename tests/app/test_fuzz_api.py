@@ -59,11 +59,11 @@ CHECKS = [
 # `steer` folds explicit values into it so that most generated requests still run, and
 # gives the admin's requests (no quota) an explicit one.
 MAX_NEW_TOKENS = 4
-MAX_TOKENS_FIELDS = ("max_tokens", "max_completion_tokens")
+MAX_TOKENS_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 GENERATION_EXAMPLES = 100
 OTHER_EXAMPLES = 30
 ADAPTER = "fuzz-lora"
-GENERATION_PATHS = r"^/v1/(chat/)?completions$"
+GENERATION_PATHS = r"^/v1/((chat/)?completions|responses)$"
 KEEP_GENERATED = 5
 PLAN = {"name": "fuzz-plan", "currency": "USD", "prompt_per_mtok": "1", "completion_per_mtok":
         "2", "cached_prompt_per_mtok": "0.5", "adapter_month": "0", "monthly_minimum": "0"}
@@ -227,7 +227,10 @@ def call_and_check(service: Service, case: Any) -> Any:
 
 # The chunk each streamed event carries as JSON `data` (`contentSchema`, which JSON
 # Schema treats as an annotation: schemathesis checks the events' framing, not this).
-CHUNKS = {"/v1/completions": "CompletionResponse", "/v1/chat/completions": "ChatCompletionChunk"}
+CHUNKS = {"/v1/completions": "CompletionResponse", "/v1/chat/completions": "ChatCompletionChunk",
+          "/v1/responses": "ResponseStreamEvent"}
+# How a Responses stream ends: the whole response, or the error that ended it.
+RESPONSES_LAST = {"response.completed", "response.incomplete", "response.failed"}
 
 
 @functools.cache
@@ -240,8 +243,25 @@ def chunk_validator(name: str) -> Draft202012Validator:
 
 def check_stream_events(path: str, response: Any) -> None:
     blocks = [b for b in response.text.split("\n\n") if b.strip()]
+    if path == "/v1/responses":
+        # Typed events: `event: <type>` then the data, whose `type` says the same.
+        assert blocks and all(b.startswith("event: ") for b in blocks), response.text[:200]
+        events = [b.split("\n", 1) for b in blocks]
+        payloads = []
+        for name, data in events:
+            payload = json.loads(data.removeprefix("data: "))
+            assert payload["type"] == name.removeprefix("event: "), (name, payload)
+            payloads.append(payload)
+        assert [p["sequence_number"] for p in payloads] == list(range(len(payloads)))
+        if not response.stream_cut_short:
+            assert payloads[-1]["type"] in RESPONSES_LAST, payloads[-1]
+        for payload in payloads:
+            chunk_validator(CHUNKS[path]).validate(payload)
+        return
     assert blocks and all(b.startswith("data: ") for b in blocks), response.text[:200]
     payloads = [b.removeprefix("data: ") for b in blocks]
+    # NOTE: strict: what a fuzzer sends is refused before a stream starts, or served; an
+    # error event mid-stream would be a refusal that came too late.
     if not response.stream_cut_short:  # schemathesis reads at most a few events
         assert payloads[-1] == "[DONE]", payloads[-1]
     validator = chunk_validator(CHUNKS[path])

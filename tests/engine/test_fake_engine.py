@@ -11,6 +11,7 @@ from engine.client import RouteHint
 from engine.errors import AdapterError, RequestRejected
 from engine.fake import FILLER, FakeEngine, fake_logprob, fake_top
 from engine.request import EngineRequest, RequestOutput, SamplingParams
+from engine.structured import StructuredOutput
 
 
 async def run(engine: FakeEngine, request: EngineRequest) -> list[RequestOutput]:
@@ -136,3 +137,17 @@ async def test_runs_everything_itself() -> None:
     assert worker.stats == engine.stats()
     engine.failed = "broken"
     assert not engine.workers()[0].ready and engine.failure() == "broken"
+
+
+def test_structured_surface_serves_every_spec_and_renders_tools() -> None:
+    engine = FakeEngine()
+    assert engine.vocab_size == 256
+    engine.check_structured_output(StructuredOutput.regex("("))  # nothing to compile against
+    messages = [{"role": "user", "content": "hi"}]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    assert engine.chat_template_has_tools
+    plain = bytes(engine.apply_chat_template(messages)).decode()
+    with_tools = bytes(engine.apply_chat_template(messages, tools=tools)).decode()
+    assert plain == "<|user|>hi\n<|assistant|>"
+    tools_line = '<|tools|>[{"type":"function","function":{"name":"f","parameters":{}}}]\n'
+    assert with_tools == tools_line + plain

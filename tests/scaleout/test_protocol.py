@@ -36,6 +36,7 @@ from engine.remote.protocol import (
 )
 from engine.request import EngineRequest, RequestOutput, SamplingParams, TenantContext, TokenLogprob
 from engine.stats import AdapterCacheStats, LatencyHistogram
+from engine.structured import OutputKind, StructuredOutput, Whitespace
 
 SAMPLING = SamplingParams(
     max_tokens=7, temperature=0.5, top_p=0.9, top_k=40, presence_penalty=0.1,
@@ -68,6 +69,37 @@ def test_generate_request_round_trip() -> None:
     )
     bare = EngineRequest("r", (5,), SamplingParams())
     assert decode_request(encode_request(bare)) == bare
+
+
+@pytest.mark.parametrize("spec", [
+    StructuredOutput.json_schema({"type": "object", "properties": {"a": {"type": "integer"}}},
+                                 strict=True, whitespace=Whitespace.COMPACT),
+    StructuredOutput.json_object(),
+    StructuredOutput.regex(r"[a-z]+\d{2}"),
+    StructuredOutput.grammar('start: "a" | "b"'),
+    StructuredOutput.choice(["x", "y, z", "é"]),
+], ids=lambda s: s.kind.value)
+def test_structured_sampling_round_trips(spec: StructuredOutput) -> None:
+    request = EngineRequest("r", (5,), SamplingParams(structured=spec, ignore_eos=True))
+    back = decode_request(encode_request(request))
+    assert back == request
+    assert back.sampling.structured == spec
+    assert hash(back.sampling.structured) == hash(spec)  # the compiled-grammar cache key
+    assert isinstance(back.sampling.structured, StructuredOutput)
+    assert type(back.sampling.structured.kind) is OutputKind
+
+
+def test_a_structured_spec_the_engine_refuses_stays_refused() -> None:
+    request = EngineRequest("r", (5,), SamplingParams(structured=StructuredOutput.choice(["a"])))
+    body = json.loads(encode_request(request))
+    body["request"]["sampling"]["structured"]["value"] = []
+    with pytest.raises(ValidationError) as refused:
+        decode_request(json.dumps(body))
+    assert refusal(refused.value) == "a choice output needs at least one choice"
+    body["request"]["sampling"]["structured"] = {"kind": "choice", "value": ["a"], "x": 1}
+    with pytest.raises(ValidationError) as unknown:
+        decode_request(json.dumps(body))
+    assert refusal(unknown.value) is None
 
 
 def test_sampling_values_the_engine_refuses_stay_refused() -> None:
@@ -163,7 +195,10 @@ def test_engine_errors_come_back_as_their_class(error: EngineError, kind: str) -
 
 
 def test_stats_round_trip_with_the_infinite_bucket() -> None:
-    stats = EngineStats(1, 2, 3, 4, 0.25, 5, 6, 7, num_adapters=8, adapter_cache=CACHE)
+    stats = EngineStats(1, 2, 3, 4, 0.25, 5, 6, 7, num_adapters=8, adapter_cache=CACHE,
+                        num_structured_requests=9, grammar_compiles=10, grammar_cache_hits=11,
+                        grammar_cache_misses=12, grammar_refusals=13, grammar_timeouts=14,
+                        grammar_compile_s=1.5)
     body = WorkerStats(model_id="m", max_model_len=64, ready=True, draining=False,
                        stats=stats, residency=[PLACE])
     text = body.model_dump_json()

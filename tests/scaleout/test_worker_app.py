@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
-from engine.errors import EngineDeadError
+from engine.errors import EngineDeadError, RequestRejected
 from engine.remote.protocol import (
     ABORT_PATH,
     ADAPTERS_PATH,
@@ -25,6 +25,7 @@ from engine.remote.protocol import (
 )
 from engine.remote.worker_app import begin_drain, create_worker_app
 from engine.request import EngineRequest, RequestOutput, SamplingParams
+from engine.structured import GRAMMAR_TOO_COMPLEX, GrammarLimitError, StructuredOutput
 from tests.utils.fake_engine import FakeEngine
 from tests.utils.live_server import serve_in_thread
 
@@ -121,6 +122,32 @@ def test_a_request_the_engine_refuses_is_refused(worker: str, engine: FakeEngine
         newer["request"]["sampling"]["min_p"] = 0.1  # unknown here: refused, not dropped
         assert client.post(GENERATE_PATH, json=newer, headers=AUTH).status_code == 422
     assert engine.submitted == []
+
+
+def test_a_structured_request_reaches_the_engine_whole(worker: str, engine: FakeEngine
+                                                       ) -> None:
+    spec = StructuredOutput.json_schema({"type": "object"}, strict=True)
+    with httpx.Client(base_url=worker, timeout=10) as client:
+        response = client.post(GENERATE_PATH, json=_generate_body("r1", structured=spec),
+                               headers=AUTH)
+    assert response.status_code == 200
+    [submitted] = engine.submitted
+    assert submitted.sampling.structured == spec
+
+
+def test_a_refused_structured_output_ends_the_stream_as_rejected(
+        worker: str, engine: FakeEngine) -> None:
+    engine.fail_with = GrammarLimitError("the regex is longer than 4096 characters "
+                                         "(max_regex_chars)", limit="max_regex_chars")
+    with httpx.Client(base_url=worker, timeout=10) as client:
+        response = client.post(GENERATE_PATH, json=_generate_body(
+            "r1", structured=StructuredOutput.regex("a")), headers=AUTH)
+    [error] = [x for x in _lines(response) if x is not None]
+    assert isinstance(error, WireError)
+    assert (error.kind, error.code) == ("rejected", GRAMMAR_TOO_COMPLEX)
+    back = error.to_exception()
+    assert isinstance(back, RequestRejected) and back.code == GRAMMAR_TOO_COMPLEX
+    assert "max_regex_chars" in str(back)
 
 
 def test_an_engine_error_ends_the_stream_with_its_code(worker: str, engine: FakeEngine) -> None:

@@ -35,6 +35,8 @@ BASE_SETTINGS: dict[str, Any] = {
 # name -> (model_type, overrides of BASE_SETTINGS)
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama_gqa": ("llama", {}),
+    # Room for tool definitions rendered into the prompt.
+    "llama_long": ("llama", {"max_position_embeddings": 2048}),
     "llama_mha_untied": (
         "llama",
         {"num_key_value_heads": 4, "tie_word_embeddings": False, "rope_theta": 500.0},
