@@ -365,3 +365,41 @@ def grammar(libraries: tuple[str, ...], **kwargs: Any) -> None:
     from bench.grammar import GrammarOptions, run_grammar
 
     run_grammar(GrammarOptions(libraries=libraries, **kwargs))
+
+
+@bench.command("structured")
+@click.option("--model", default="default", show_default=True)
+@click.option("--num-adapters", default=8, show_default=True,
+              help="random adapters of the step-time load (--max-loras the same)")
+@click.option("--rank", default=16, show_default=True)
+@click.option("--num-requests", default=32, show_default=True,
+              help="concurrent streams of each load; half of the first load constrained")
+@click.option("--max-tokens", default=64, show_default=True, help="per stream, ignore_eos")
+@click.option("--repeats", default=3, show_default=True,
+              help="rounds of each load, alternating which goes first")
+@click.option("--compile-runs", default=20, show_default=True)
+@click.option("--schema-requests", default=50, show_default=True)
+@click.option("--tool-requests", default=50, show_default=True)
+@click.option("--validity-concurrency", default=8, show_default=True)
+@click.option("--validity-max-tokens", default=384, show_default=True)
+@click.option("--adapters-dir", type=click.Path(path_type=Path, file_okay=False, exists=True),
+              default=None,
+              help="PEFT adapters for the validity checks [default: the demo adapters, "
+                   "trained once if not cached]")
+@click.option("--seed", default=0, show_default=True)
+@click.option("--quick", is_flag=True, help="a short run that checks everything works")
+@click.option(
+    "--output",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="JSON report [default: bench/results/structured-<timestamp>.json]",
+)
+def structured(**kwargs: Any) -> None:
+    """Constrained decoding: TPOT with half the rows under a JSON schema vs none (same
+    run), grammar compile times cold and cached, and schema / tool-call validity on the
+    demo adapters; fails when an answer is not valid."""
+    from bench.structured import StructuredOptions, run_structured
+
+    report = run_structured(StructuredOptions(**kwargs))
+    if not report.validity.ok:
+        raise SystemExit(1)

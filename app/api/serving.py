@@ -31,7 +31,10 @@ from engine.client import EngineClient
 from engine.errors import RequestRejected
 from engine.limits import ContextLimits, check_prompt_ids, resolve_max_tokens
 from engine.request import SamplingParams
-from engine.structured import StructuredOutput
+from engine.structured import OutputKind, StructuredOutput
+
+# The answer formats a turn with tools can take (the text answer's, beside the calls).
+JSON_ANSWERS = (OutputKind.JSON_OBJECT, OutputKind.JSON_SCHEMA)
 
 BodyT = TypeVar("BodyT", bound=BaseModel)
 
@@ -350,14 +353,19 @@ def plan_chat(
         raise invalid_request("'messages' must contain at least one message.", param="messages")
     tools = tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls)
     constraint = structured_output_of(body, body.response_format)
-    if tools.functions and constraint is not None:
-        raise invalid_request(
-            f"'{constraint[0]}' cannot be combined with tools the model may call; send "
-            "'tool_choice': 'none' to keep the tools out of this turn.",
-            param=constraint[0], code="invalid_structured_output",
-        )
     if tools.functions:
-        spec = tool_constraint(tools)
+        # A JSON answer format applies to the turn's text answer, which with `auto` the
+        # model may give instead of calls; other constraints have no place beside calls.
+        answer = None
+        if constraint is not None:
+            param, answer = constraint
+            if answer.kind not in JSON_ANSWERS:
+                raise invalid_request(
+                    f"'{param}' cannot be combined with tools the model may call; send "
+                    "'tool_choice': 'none' to keep the tools out of this turn.",
+                    param=param, code="invalid_structured_output",
+                )
+        spec = tool_constraint(tools, answer=answer)
         constraint = None if spec is None else ("tools", spec)
     # max_completion_tokens is the newer name; it wins when both are sent.
     requested_max_tokens: int | None

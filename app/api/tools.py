@@ -43,7 +43,7 @@ from typing import Any, Literal
 
 from app.api.errors import APIError, invalid_request
 from app.api.protocol import ChatTool, FunctionDefinition, NamedToolChoice, ToolChoice
-from engine.structured import StructuredLimits, StructuredOutput
+from engine.structured import OutputKind, StructuredLimits, StructuredOutput
 
 MAX_TOOLS = 128  # OpenAI's limit
 FUNCTION_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
@@ -134,18 +134,44 @@ def tool_plan(tools: Sequence[ChatTool] | None, tool_choice: ToolChoice | None,
 
 def tool_constraint(tools: Sequence[ChatTool] | ToolPlan | None,
                     tool_choice: ToolChoice | None = None,
-                    parallel_tool_calls: bool | None = None) -> StructuredOutput | None:
+                    parallel_tool_calls: bool | None = None, *,
+                    answer: StructuredOutput | None = None) -> StructuredOutput | None:
     """The grammar the output follows (an llguidance Lark grammar), or None when the
-    output is free (no tools, or `tool_choice: none`)."""
+    output is free (no tools, or `tool_choice: none`).
+
+    `answer`: the JSON format (`response_format`) a text answer must have. With `auto`
+    the model then either calls functions or answers with such a document; with
+    `required` or a named function the turn can only be calls, and it does not apply."""
     plan = tools if isinstance(tools, ToolPlan) else tool_plan(tools, tool_choice,
                                                                parallel_tool_calls)
     if not plan.functions:
         return None
-    return StructuredOutput.grammar(tool_grammar(plan))
+    schema = answer_schema(answer) if answer is not None and plan.mode == "auto" else None
+    return StructuredOutput.grammar(tool_grammar(plan, answer=schema))
 
 
-def tool_grammar(plan: ToolPlan) -> str:
-    """The Lark text of `plan`'s constraint (see the module's docstring)."""
+def answer_schema(spec: StructuredOutput) -> dict[str, Any]:
+    """The JSON schema (with llguidance's options) of a `json_object` or `json_schema`
+    answer format, for `tool_grammar`."""
+    if spec.kind is OutputKind.JSON_OBJECT:
+        schema: Any = {"type": "object"}
+    elif spec.kind is OutputKind.JSON_SCHEMA:
+        schema = json.loads(spec.text)
+        if spec.strict:
+            schema = _closed(schema)
+    else:
+        raise ValueError(f"a {spec.describe()} is not an answer format")
+    if isinstance(schema, bool):  # JSON Schema's `true` (anything) and `false` (nothing)
+        schema = {} if schema else {"not": {}}
+    limit = StructuredLimits().max_whitespace_chars
+    options = {"lenient": not spec.strict,
+               "whitespace_pattern": f"{_JSON_WHITESPACE}{{0,{limit}}}"}
+    return {"x-guidance": options, **schema}
+
+
+def tool_grammar(plan: ToolPlan, *, answer: dict[str, Any] | None = None) -> str:
+    """The Lark text of `plan`'s constraint (see the module's docstring); `answer` (auto
+    only): the schema a text answer follows instead of free text."""
     assert plan.functions, "a plan without functions has no grammar"
     functions = [f for f in plan.functions if plan.named in (None, f.name)]
     rules = [f"fn{i}: %json {json.dumps(call_schema(f), ensure_ascii=False)}"
@@ -154,7 +180,11 @@ def tool_grammar(plan: ToolPlan) -> str:
     open_, close = json.dumps(CALL_OPEN + "\n"), json.dumps("\n" + CALL_CLOSE)
     between = json.dumps("\n")
     lines = ["%llguidance {}"]
-    if plan.mode == "auto":
+    if plan.mode == "auto" and answer is not None:
+        lines += ["start: answer | calls",
+                  f"answer: %json {json.dumps(answer, ensure_ascii=False)}"]
+        first = "call"
+    elif plan.mode == "auto":
         # Lark string literals take JSON's escapes; in regexes `<`, `>`, `_` are literal.
         lines += ["start: TEXT | lead calls",
                   "TEXT: /(?s:.*)/ & ~/(?s:.*)<tool_call>(?s:.*)/",

@@ -175,10 +175,10 @@ CHAT_CASES = [
     ("two-constraints", chat(response_format={"type": "json_object"}, guided_regex="a+"), error(
         "A request may constrain its output one way only; it sent 'response_format', "
         "'guided_regex'.", "guided_regex", "invalid_structured_output")),
-    ("tools-and-format", chat(tools=[{"type": "function", "function": {"name": "f"}}],
-                              response_format={"type": "json_object"}), error(
-        "'response_format' cannot be combined with tools the model may call; send "
-        "'tool_choice': 'none' to keep the tools out of this turn.", "response_format",
+    ("tools-and-regex", chat(tools=[{"type": "function", "function": {"name": "f"}}],
+                             guided_regex="a+"), error(
+        "'guided_regex' cannot be combined with tools the model may call; send "
+        "'tool_choice': 'none' to keep the tools out of this turn.", "guided_regex",
         "invalid_structured_output")),
     ("template-refuses", chat(messages=[{"role": "assistant", "content": "RAISE"}]), error(
         "Could not apply the chat template: the template refuses this conversation",

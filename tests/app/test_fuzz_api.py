@@ -316,3 +316,50 @@ def test_sampling_at_the_documented_edges(
     # A tenant's request as it is: the model named and max_tokens within the quota.
     response = call_and_check(service, schema[path]["POST"].Case(body=body))
     assert response.status_code == 200, response.text
+
+
+def _nested_schema(depth: int) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
+
+
+# Constraints built to hurt a grammar compiler: each is refused with a 400 that says why,
+# or served (bounded); never a 5xx, never a stall (the request timeout would show it).
+HOSTILE: list[tuple[str, str, dict[str, Any]]] = [
+    ("deep-schema", "/v1/chat/completions", {"response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": _nested_schema(200)}}}),
+    ("huge-enum", "/v1/chat/completions", {"response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {
+            "enum": [f"v{i}" for i in range(100_000)]}}}}),
+    ("ref-cycle", "/v1/completions", {"guided_json": {
+        "$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}}),
+    ("catastrophic-regex", "/v1/completions", {"guided_regex": "(a*)*b"}),
+    ("huge-repeat", "/v1/completions", {"guided_regex": "a{1000000}"}),
+    ("long-alternation", "/v1/completions", {
+        "guided_regex": "|".join(f"word{i}" for i in range(20_000))}),
+    ("deep-grammar", "/v1/completions", {"guided_grammar": "start: " + "(" * 3000 + '"x"'
+                                         + ")" * 3000}),
+    ("many-choices", "/v1/completions", {"guided_choice": [f"c{i}" for i in range(50_000)]}),
+    ("many-tools", "/v1/chat/completions", {"tools": [
+        {"type": "function", "function": {"name": f"f{i}"}} for i in range(129)]}),
+]
+GRAMMAR_CODES = {"grammar_too_complex", "grammar_compile_timeout", "invalid_grammar",
+                 "invalid_structured_output", "too_many_tools", "invalid_tools"}
+
+
+@pytest.mark.parametrize(("path", "fields"), [h[1:] for h in HOSTILE],
+                         ids=[h[0] for h in HOSTILE])
+def test_hostile_constraints_are_refused_or_bounded(
+    service: Service, path: str, fields: dict[str, Any]
+) -> None:
+    body: dict[str, Any] = {"model": service.model_id, "max_tokens": MAX_NEW_TOKENS, **fields}
+    if path == "/v1/completions":
+        body["prompt"] = "The capital of France is"
+    else:
+        body["messages"] = [{"role": "user", "content": "Hi"}]
+    response = call_and_check(service, schema[path]["POST"].Case(body=body))
+    assert response.status_code in (200, 400), response.text
+    if response.status_code == 400:
+        assert response.json()["error"]["code"] in GRAMMAR_CODES, response.text

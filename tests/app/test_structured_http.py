@@ -319,3 +319,34 @@ def test_metrics_count_constrained_requests(service: Service) -> None:
     assert found is not None, text[:2000]
     assert float(found.group(1)) >= 1
     assert "loraplex_grammar_compile_seconds_total" in text
+
+
+def test_tools_beside_a_json_answer_format(service: Service) -> None:
+    """As the OpenAI Agents SDK sends an agent with tools and an output type: `auto`
+    gives calls or an answer in the format; `required` can only be calls."""
+    client = service.client()
+    answer_format = _schema_format({"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 8}}, "required": ["city"],
+        "additionalProperties": False})
+    seen = set()
+    for seed in range(6):
+        reply = client.chat.completions.create(
+            model=ADAPTER, messages=[{"role": "user", "content": "Where?"}], max_tokens=150,
+            tools=TOOLS, tool_choice="auto", parallel_tool_calls=False, seed=seed,  # type: ignore[arg-type]
+            temperature=1.0, response_format=answer_format,  # type: ignore[arg-type]
+        )
+        choice = reply.choices[0]
+        if choice.message.tool_calls:
+            _check_calls(choice.message.tool_calls, names=set(SCHEMAS))
+            seen.add("calls")
+        elif choice.finish_reason == "stop":
+            jsonschema.validate(json.loads(choice.message.content or ""),
+                                answer_format["json_schema"]["schema"])
+            seen.add("answer")
+    assert seen, "every answer was cut short"
+    forced = client.chat.completions.create(
+        model=ADAPTER, messages=[{"role": "user", "content": "Where?"}],
+        tools=TOOLS, tool_choice="required", parallel_tool_calls=False,  # type: ignore[arg-type]
+        response_format=answer_format,  # type: ignore[arg-type]
+    )
+    _check_calls(forced.choices[0].message.tool_calls, names=set(SCHEMAS))
