@@ -325,5 +325,5 @@ def print_report(report: StructuredReport) -> None:
     print(f"  strict json_schema: {v.schema_valid}/{v.schema_requests} valid")
     print(f"  tool_choice required: {v.tool_valid}/{v.tool_requests} valid")
     for f in v.failures:
-        print(f"  ! {f.check} {f.case} on {f.adapter} ({f.prompt!r}): {f.error}")
+        print(f"  ! {f.check} {f.case} on {f.adapter} ({f.prompt!r}, seed {f.seed}): {f.error}")
         print(f"      output: {f.output[:400]!r}")

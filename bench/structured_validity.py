@@ -28,6 +28,7 @@ class Failure:
     case: str
     adapter: str
     prompt: str
+    seed: int  # the request's sampling seed: with the rest, enough to send it again
     error: str
     output: str
 
@@ -98,22 +99,21 @@ def run_validity(base_url: str, adapters: dict[str, Path], source: str, *,
         tool_calls.append((ChatCall(body, tool_case.name), i % len(TOOL_CASES), prompt))
 
     failures: list[Failure] = []
-    schema_results = post_all(base_url, [c for c, _, _ in schema_calls],
-                              concurrency)
+    schema_results = post_all(base_url, [c for c, _, _ in schema_calls], concurrency)
     tool_results = post_all(base_url, [c for c, _, _ in tool_calls], concurrency)
     for (call, index, prompt), result in zip(schema_calls, schema_results, strict=True):
         content = result.message.get("content")
         error = (f"HTTP {result.status}: {result.error}" if result.status != 200 else
                  check_document(content, SCHEMA_CASES[index].schema, result.finish_reason))
         if error is not None:
-            failures.append(Failure("schema", call.label, call.body["model"], prompt, error,
-                                    str(content)))
+            failures.append(Failure("schema", call.label, call.body["model"], prompt,
+                                    call.body["seed"], error, str(content)))
     for (call, index, prompt), result in zip(tool_calls, tool_results, strict=True):
         error = (f"HTTP {result.status}: {result.error}" if result.status != 200 else
                  check_tool_calls(result.message, TOOL_CASES[index], result.finish_reason))
         if error is not None:
-            failures.append(Failure("tools", call.label, call.body["model"], prompt, error,
-                                    json.dumps(result.message)))
+            failures.append(Failure("tools", call.label, call.body["model"], prompt,
+                                    call.body["seed"], error, json.dumps(result.message)))
     num_schema_failed = sum(f.check == "schema" for f in failures)
     return Validity(
         adapters={k: str(v) for k, v in adapters.items()}, adapters_source=source,

@@ -13,13 +13,13 @@ from typing import Any
 
 from engine.chat_template import render_chat_ids, template_has_tools
 from engine.client import (
-    LOCAL_WORKER_ID,
     AdapterInfo,
     AdapterPlacement,
     EngineStats,
     Route,
     RouteHint,
     WorkerStatus,
+    local_worker,
 )
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore
@@ -259,16 +259,7 @@ class AsyncEngine:
         pass  # nothing was reserved for them
 
     def workers(self) -> list[WorkerStatus]:
-        return [
-            WorkerStatus(
-                id=LOCAL_WORKER_ID,
-                model=self.model_id,
-                ready=self.is_ready(),
-                stats=self.stats(),
-                adapters=self.list_adapters(),
-                residency=self.adapter_residency(),
-            )
-        ]
+        return [local_worker(self)]
 
     def abort(self, request_id: str) -> None:
         with self._lock:

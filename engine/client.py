@@ -245,3 +245,15 @@ class EngineClient(Protocol):
         ...
 
     async def shutdown(self) -> None: ...
+
+
+def local_worker(engine: EngineClient) -> WorkerStatus:
+    """An in-process engine as the one worker `workers()` lists."""
+    return WorkerStatus(
+        id=LOCAL_WORKER_ID,
+        model=engine.model_id,
+        ready=engine.is_ready(),
+        stats=engine.stats(),
+        adapters=engine.list_adapters(),
+        residency=engine.adapter_residency(),
+    )

@@ -31,13 +31,13 @@ from pathlib import Path
 from typing import Any
 
 from engine.client import (
-    LOCAL_WORKER_ID,
     AdapterInfo,
     AdapterPlacement,
     EngineStats,
     Route,
     RouteHint,
     WorkerStatus,
+    local_worker,
 )
 from engine.errors import AdapterError, RequestRejected
 from engine.request import (
@@ -207,16 +207,7 @@ class FakeEngine:
         )
 
     def workers(self) -> list[WorkerStatus]:
-        return [
-            WorkerStatus(
-                id=LOCAL_WORKER_ID,
-                model=self.model_id,
-                ready=self.is_ready(),
-                stats=self.stats(),
-                adapters=self.list_adapters(),
-                residency=self.adapter_residency(),
-            )
-        ]
+        return [local_worker(self)]
 
     def is_ready(self) -> bool:
         return self.ready and not self.shut_down and self.failed is None

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import logging
 
-from engine.errors import NoWorkerAvailable, RequestRejected, WorkerLost
-
 from app.api.errors import (
     SERVER_ERROR,
     APIError,
@@ -14,6 +12,7 @@ from app.api.errors import (
     overloaded,
     server_error,
 )
+from engine.errors import NoWorkerAvailable, RequestRejected, WorkerLost
 
 logger = logging.getLogger(__name__)
 

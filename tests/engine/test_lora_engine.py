@@ -82,10 +82,19 @@ def test_mixed_batch_matches_peft_per_adapter(tiny_with_adapters) -> None:
     base, adapters = tiny_with_adapters
     # Fewer device slots (2) and host copies (3) than adapters (4): slots are reused and
     # evicted host copies come back from disk while requests wait.
+    check_mixed_batch(base, adapters, prompt_lengths=(5, 17, 33))
+
+
+def check_mixed_batch(
+    base: Path, adapters: dict[str, Path], *, prompt_lengths: tuple[int, ...],
+    label: str = "",
+) -> None:
+    """Every adapter and the base model on each prompt, in one engine whose slots (2) and
+    host copies (3) are fewer than the adapters: token-identical to HF (PEFT)."""
     core = make_core(base, max_loras=2, max_cpu_loras=3, max_lora_rank=16)
     for name, path in adapters.items():
         core.add_adapter(name, path)
-    prompts = [random_prompt(n, seed=n) for n in (5, 17, 33)]
+    prompts = [random_prompt(n, seed=n) for n in prompt_lengths]
     requests = [
         greedy(f"{name or 'base'}-{i}", prompt, name)
         for i, prompt in enumerate(prompts)
@@ -98,7 +107,7 @@ def test_mixed_batch_matches_peft_per_adapter(tiny_with_adapters) -> None:
         for name in adapters:
             want = peft_greedy(base, adapters, name, prompt, NEW_TOKENS)
             assert want != want_base, name
-            assert got[f"{name}-{i}"] == want, (name, i)
+            assert got[f"{name}-{i}"] == want, (label, name, i)
     stats = core.adapter_cache.stats() if core.adapter_cache else None
     assert stats is not None and stats.device_evictions > 0
     # Every pin was released: nothing holds a slot once all requests finished.
@@ -319,20 +328,4 @@ def test_qwen3_and_phi3_mixed_batches_match_peft_per_adapter(
         for name, spec in FAMILY_SPECS[variant].items()
     }
     # Fewer device slots (2) than adapters (3): slots are reused while requests wait.
-    core = make_core(base, max_loras=2, max_cpu_loras=3, max_lora_rank=16)
-    for name, path in adapters.items():
-        core.add_adapter(name, path)
-    prompts = [random_prompt(n, seed=n) for n in (6, 21)]
-    requests = [
-        greedy(f"{name or 'base'}-{i}", prompt, name)
-        for i, prompt in enumerate(prompts)
-        for name in [*adapters, None]
-    ]
-    got = run(core, requests)
-    for i, prompt in enumerate(prompts):
-        want_base = hf_greedy(base, prompt, NEW_TOKENS, ignore_eos=True)
-        assert got[f"base-{i}"] == want_base
-        for name in adapters:
-            want = peft_greedy(base, adapters, name, prompt, NEW_TOKENS)
-            assert want != want_base, name
-            assert got[f"{name}-{i}"] == want, (variant, name, i)
+    check_mixed_batch(base, adapters, prompt_lengths=(6, 21), label=variant)
