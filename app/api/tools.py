@@ -44,6 +44,7 @@ from typing import Any, Literal
 from app.api.errors import APIError, invalid_request
 from app.api.protocol import ChatTool, FunctionDefinition, NamedToolChoice, ToolChoice
 from engine.structured import OutputKind, StructuredLimits, StructuredOutput
+from engine.structured.limits import whitespace_pattern
 
 MAX_TOOLS = 128  # OpenAI's limit
 FUNCTION_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
@@ -58,7 +59,6 @@ TOO_MANY_TOOLS = "too_many_tools"
 # What a function without `parameters` takes: exactly `{}`.
 NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {},
                                  "additionalProperties": False}
-_JSON_WHITESPACE = "[\\x20\\x0A\\x0D\\x09]"
 # Keywords whose values are data, not subschemas.
 _DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
 _SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions",
@@ -163,9 +163,8 @@ def answer_schema(spec: StructuredOutput) -> dict[str, Any]:
         raise ValueError(f"a {spec.describe()} is not an answer format")
     if isinstance(schema, bool):  # JSON Schema's `true` (anything) and `false` (nothing)
         schema = {} if schema else {"not": {}}
-    limit = StructuredLimits().max_whitespace_chars
     options = {"lenient": not spec.strict,
-               "whitespace_pattern": f"{_JSON_WHITESPACE}{{0,{limit}}}"}
+               "whitespace_pattern": whitespace_pattern(StructuredLimits())}
     return {"x-guidance": options, **schema}
 
 
@@ -206,13 +205,12 @@ def call_schema(function: FunctionDefinition) -> dict[str, Any]:
     arguments = arguments_schema(function)
     if function.strict:
         arguments = _closed(arguments)
-    limit = StructuredLimits().max_whitespace_chars
     return {
         # NOTE: strict functions are held to the keywords the grammar can enforce (an
         # unsupported one is an error, as for strict response formats); the others'
         # unsupported keywords are ignored, and their output checked against the rest.
         "x-guidance": {"lenient": not function.strict,
-                       "whitespace_pattern": f"{_JSON_WHITESPACE}{{0,{limit}}}"},
+                       "whitespace_pattern": whitespace_pattern(StructuredLimits())},
         "type": "object",
         "properties": {"name": {"const": function.name}, "arguments": arguments},
         "required": ["name", "arguments"],

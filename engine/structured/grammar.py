@@ -14,7 +14,12 @@ import llguidance
 import numpy as np
 
 from engine.structured.errors import INVALID_SPEC, StructuredOutputError
-from engine.structured.limits import StructuredLimits, clean_message, over_limit
+from engine.structured.limits import (
+    StructuredLimits,
+    clean_message,
+    over_limit,
+    whitespace_pattern,
+)
 from engine.structured.spec import OutputKind, StructuredOutput, Whitespace
 
 if TYPE_CHECKING:
@@ -30,7 +35,6 @@ _DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
 # Keywords whose values map names to subschemas.
 _SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions",
                           "dependentSchemas"})
-_JSON_WHITESPACE = "[\\x20\\x0A\\x0D\\x09]"
 
 
 def json_depth(text: str) -> int:
@@ -83,7 +87,7 @@ def _json_grammar(schema: Any, spec: StructuredOutput, limits: StructuredLimits)
         options["whitespace_flexible"] = False
         options["item_separator"], options["key_separator"] = ",", ":"
     else:
-        options["whitespace_pattern"] = f"{_JSON_WHITESPACE}{{0,{limits.max_whitespace_chars}}}"
+        options["whitespace_pattern"] = whitespace_pattern(limits)
     try:
         return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=options)
     except ValueError as e:

@@ -31,7 +31,9 @@ class StructuredLimits:
     max_enum_values: int = 1000  # all `enum` values of one schema together
     max_choices: int = 1000  # strings in a choice list
     max_regex_chars: int = 4096  # a regex, and each `pattern` of a schema
-    max_whitespace_chars: int = 64  # per gap between JSON tokens (Whitespace.FLEXIBLE)
+    # Whitespace.FLEXIBLE: a gap between JSON tokens is nothing, one space, or a newline
+    # and at most this many spaces or tabs of indentation (see `whitespace_pattern`).
+    max_whitespace_chars: int = 16
     # --- llguidance's LLParserLimits (its defaults in 1.9)
     max_items_in_row: int = 2000  # branching of one grammar rule
     initial_lexer_fuel: int = 1_000_000  # building the lexer (~50k/ms)
@@ -108,3 +110,13 @@ def over_limit(what: str, limit: str, value: int, found: str) -> GrammarLimitErr
     """E.g. "the JSON schema exceeds max_json_depth (64): it nests 81 deep"."""
     return GrammarLimitError(f"the {what} exceeds {limit} ({value:,}): it has {found}",
                              limit=limit)
+
+
+def whitespace_pattern(limits: StructuredLimits) -> str:
+    """The regex of a gap between the tokens of a JSON document (Whitespace.FLEXIBLE):
+    enough to pretty-print, never a run of blank lines.
+
+    NOTE: one newline at most per gap: with any run of whitespace allowed (say up to 64
+    characters a gap), a weak model can fill `max_tokens` with blank space across the few
+    dozen gaps of a nested document."""
+    return f"(?:\\x20|\\x0A[\\x20\\x09]{{0,{limits.max_whitespace_chars}}})?"

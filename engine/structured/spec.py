@@ -30,8 +30,9 @@ class OutputKind(enum.StrEnum):
 class Whitespace(enum.StrEnum):
     """Whitespace between the tokens of a JSON document."""
 
-    # Any JSON whitespace, at most StructuredLimits.max_whitespace_chars per gap: the model
-    # may pretty-print, but cannot loop on blank space.
+    # Per gap: nothing, a space, or a newline and at most
+    # StructuredLimits.max_whitespace_chars of indentation: the model may pretty-print,
+    # but cannot loop on blank space.
     FLEXIBLE = "flexible"
     COMPACT = "compact"  # none at all: {"a":1,"b":[2,3]}
 

@@ -89,7 +89,9 @@ def test_json_options_follow_strict_and_whitespace() -> None:
     (body,) = loose["grammars"]
     assert "additionalProperties" not in body["json_schema"]["properties"]["p"]
     assert body["json_schema"]["x-guidance"]["lenient"] is True
-    assert body["json_schema"]["x-guidance"]["whitespace_pattern"].endswith("{0,7}")
+    # One space, or a newline and at most 7 spaces or tabs of indentation.
+    assert body["json_schema"]["x-guidance"]["whitespace_pattern"] == (
+        "(?:\\x20|\\x0A[\\x20\\x09]{0,7})?")
 
 
 def test_choices_become_one_alternation_of_literals() -> None:
