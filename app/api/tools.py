@@ -209,8 +209,11 @@ def call_schema(function: FunctionDefinition) -> dict[str, Any]:
         # NOTE: strict functions are held to the keywords the grammar can enforce (an
         # unsupported one is an error, as for strict response formats); the others'
         # unsupported keywords are ignored, and their output checked against the rest.
-        "x-guidance": {"lenient": not function.strict,
-                       "whitespace_pattern": whitespace_pattern(StructuredLimits())},
+        # NOTE: a call is written as json.dumps writes it (", " and ": ", no newlines):
+        # nobody reads its layout, and a weak model given room for indentation spends
+        # its max_tokens on it.
+        "x-guidance": {"lenient": not function.strict, "whitespace_flexible": False,
+                       "item_separator": ", ", "key_separator": ": "},
         "type": "object",
         "properties": {"name": {"const": function.name}, "arguments": arguments},
         "required": ["name", "arguments"],

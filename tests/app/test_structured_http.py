@@ -235,8 +235,9 @@ def test_responses_function_calls(service: Service) -> None:
     client = service.client()
     response = client.responses.create(
         model=ADAPTER, input="Weather in Oslo?",
-        tools=[{"type": "function", "name": "get_weather", "parameters": WEATHER}],  # type: ignore[list-item]
-        tool_choice="required", temperature=0,
+        tools=[{"type": "function", "name": "get_weather", "parameters": WEATHER,  # type: ignore[list-item]
+                "strict": True}],
+        tool_choice="required", parallel_tool_calls=False, temperature=0,
     )
     calls = [item for item in response.output if item.type == "function_call"]
     assert len(calls) >= 1
