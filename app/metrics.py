@@ -78,6 +78,13 @@ class _EngineCollector(Collector):
             "Fraction of KV cache blocks in use (0..1).",
             value=stats.kv_usage,
         )
+        in_use_slots = (stats.num_total_blocks - stats.num_free_blocks) * stats.block_size
+        yield GaugeMetricFamily(
+            "loraplex_kv_cache_filled_ratio",
+            "Of the slots in the KV blocks running requests hold, the fraction holding "
+            "computed KV (1 - what paging wastes in each sequence's last block).",
+            value=stats.kv_filled_slots / in_use_slots if in_use_slots else 1.0,
+        )
         yield GaugeMetricFamily(
             "loraplex_kv_cache_free_blocks", "Free KV cache blocks.", value=stats.num_free_blocks
         )
@@ -105,6 +112,15 @@ class _EngineCollector(Collector):
             "Engine steps whose forward or sampling raised (their requests were retried one "
             "by one and only those that failed on their own got a 500).",
             value=stats.num_step_failures,
+        )
+        yield CounterMetricFamily(
+            "loraplex_engine_steps", "Engine steps that ran a batch.", value=stats.num_steps
+        )
+        yield CounterMetricFamily(
+            "loraplex_engine_step_seconds",
+            "Time in engine steps that ran a batch (divided by loraplex_engine_steps_total: "
+            "the mean step time).",
+            value=stats.step_seconds,
         )
         yield GaugeMetricFamily(
             "loraplex_engine_failed",

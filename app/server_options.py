@@ -200,9 +200,28 @@ ENGINE_OPTIONS: dict[str, dict[str, Any]] = {
                            help="Sequences per engine step."),
     "--max-num-batched-tokens": dict(default=2048, show_default=True,
                                      type=click.IntRange(min=1), help="Tokens per engine step."),
+    "--long-prefill-token-threshold": dict(
+        default=None, type=click.IntRange(min=0),
+        help="A prompt with more tokens than this left to compute is long: it gets at most "
+             "this many tokens of a step until the other requests were served (default: a "
+             "quarter of --max-num-batched-tokens; 0: no cap)."),
+    "--max-num-partial-prefills": dict(
+        default=1, show_default=True, type=click.IntRange(min=1),
+        help="Prefills per step that stop short of their prompt's end."),
+    "--max-long-partial-prefills": dict(
+        default=1, show_default=True, type=click.IntRange(min=1),
+        help="Of those, how many may be long prompts."),
     "--kv-cache-tokens": dict(default=None, type=click.IntRange(min=1),
                               help="KV cache capacity in tokens (default: sized from the "
                                    "device)."),
+    "--gpu-memory-utilization": dict(
+        default=0.9, show_default=True, type=click.FloatRange(0, 1, min_open=True),
+        help="CUDA: the share of the device's total memory the engine may use (weights, "
+             "activations, KV cache); the KV cache gets what a profiled largest step leaves."),
+    "--max-model-len": dict(
+        default=None, type=click.IntRange(min=1),
+        help="Most tokens per sequence, prompt and completion (default: the model's "
+             "max_position_embeddings, which it may not exceed)."),
     "--block-size": dict(default=16, show_default=True, type=click.IntRange(min=1)),
     "--enable-prefix-caching/--no-enable-prefix-caching": dict(default=True, show_default=True),
     "--fairness": dict(default="vtc", show_default=True, type=click.Choice(["vtc", "fcfs"]),

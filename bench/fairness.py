@@ -32,7 +32,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.server import free_port, wait_ready
+from bench.server import engine_counters, free_port, wait_ready
 from bench.throughput import machine_description, print_row
 from bench.workload import (
     BenchRequest,
@@ -69,6 +69,7 @@ class FairnessOptions:
     probe_output_len: tuple[int, int] = (16, 16)
     probe_start_s: float = 2.0  # after the flood was sent
     probe_interval_s: float = 2.0
+    shared_prefix_len: int = 0  # tokens every flood prompt starts with
     seed: int = 0
     # NOTE: a probe waits at least for the step in progress and then its own: on two CPU
     # cores a 2,048-token step takes ~3 s, so steps of 512 tokens keep that floor near 1 s.
@@ -83,6 +84,7 @@ class ScenarioResult:
     flood_ttft_s: list[float]
     probe_ttft_s: list[float]
     wall_s: float
+    mean_step_s: float  # the engine's, over the scenario
 
     def summary(self) -> dict[str, object]:
         flood, probe = sorted(self.flood_ttft_s), sorted(self.probe_ttft_s)
@@ -95,6 +97,9 @@ class ScenarioResult:
             "probe_ttft_p50_s": round(probe_p50, 3),
             "probe_ttft_max_s": round(probe[-1], 3),
             "probe_over_flood_p50": round(probe_p50 / flood_p50, 3),
+            "mean_step_s": round(self.mean_step_s, 4),
+            "probe_ttft_p50_steps": round(probe_p50 / self.mean_step_s, 2),
+            "flood_ttft_p50_steps": round(flood_p50 / self.mean_step_s, 2),
             "wall_s": round(self.wall_s, 2),
         }
 
@@ -108,6 +113,13 @@ def run_fairness(opts: FairnessOptions) -> dict[str, object]:
         opts.flood_requests, vocab_size=vocab, prompt_len=opts.flood_prompt_len,
         output_len=opts.flood_output_len, seed=opts.seed,
     )
+    if opts.shared_prefix_len:
+        [prefix] = make_requests(
+            1, vocab_size=vocab, prompt_len=(opts.shared_prefix_len, opts.shared_prefix_len),
+            output_len=(1, 1), seed=opts.seed + 2,
+        )
+        for request in flood:
+            request.prompt_token_ids = prefix.prompt_token_ids + request.prompt_token_ids
     probe = make_requests(
         opts.probe_requests, vocab_size=vocab, prompt_len=opts.probe_prompt_len,
         output_len=opts.probe_output_len, seed=opts.seed + 1,
@@ -170,6 +182,7 @@ async def run_scenario(
         model = await _model_name(flood_client)
         warm = BenchRequest(prompt_token_ids=flood[0].prompt_token_ids[:16], max_tokens=2)
         await _one_stream(flood_client, model, warm)
+        before = engine_counters(base_url)
         start = time.perf_counter()
         flood_tasks = [asyncio.create_task(_one_stream(flood_client, model, r)) for r in flood]
         probe_tasks: list[asyncio.Task[RequestTiming]] = []
@@ -180,12 +193,17 @@ async def run_scenario(
         flood_timings = await asyncio.gather(*flood_tasks)
         probe_timings = await asyncio.gather(*probe_tasks)
         wall = time.perf_counter() - start
+        after = engine_counters(base_url)
+    steps = after["loraplex_engine_steps_total"] - before["loraplex_engine_steps_total"]
+    step_s = (after["loraplex_engine_step_seconds_total"]
+              - before["loraplex_engine_step_seconds_total"])
     return ScenarioResult(
         scenario=scenario,
         mode=mode,
         flood_ttft_s=[t.ttft_s for t in flood_timings],
         probe_ttft_s=[t.ttft_s for t in probe_timings],
         wall_s=wall,
+        mean_step_s=step_s / steps if steps else float("nan"),
     )
 
 

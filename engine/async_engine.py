@@ -158,6 +158,10 @@ class AsyncEngine:
             num_adapters=len(core.list_adapters()),
             adapter_cache=None if core.adapter_cache is None else core.adapter_cache.stats(),
             num_step_failures=core.num_step_failures,
+            num_steps=core.num_steps,
+            kv_filled_slots=bm.filled_slots(list(core.scheduler.running)),
+            block_size=bm.block_size,
+            step_seconds=core.step_seconds,
             **structured_stats(core),
         )
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from engine.request import Request
 
@@ -172,6 +172,19 @@ class BlockManager:
             self._register_full_blocks(request, num_known // bs, num_covered // bs)
         return True
 
+    def filled_slots(self, requests: Iterable[Request]) -> int:
+        """Slots holding computed KV in the blocks `requests` hold; a shared block counts
+        once. Against the slots of the blocks in use, what paging wastes: the unfilled
+        tail of each sequence's last block."""
+        bs = self.block_size
+        filled: dict[int, int] = {}
+        for request in requests:
+            num_computed = request.num_computed_tokens
+            for index, block_id in enumerate(list(request.block_ids)):
+                num = min(bs, max(0, num_computed - index * bs))
+                filled[block_id] = max(filled.get(block_id, 0), num)
+        return sum(filled.values())
+
     def free(self, request: Request) -> None:
         """Drop the request's hold on its blocks (tail first) and empty its block table.
 
@@ -236,7 +249,10 @@ class BlockManager:
         keys = self._keys(request, end)
         for index in range(first, end):
             block_id = request.block_ids[index]
-            assert self._block_keys[block_id] is None, block_id
+            if self._block_keys[block_id] is not None:
+                # Registered by an earlier call of the same step (a chunk that grew).
+                assert self._block_keys[block_id] == keys[index], block_id
+                continue
             # NOTE: an equal block already cached (two requests computed the same prefix
             # side by side) stays the only entry; this copy is freed as uncached later.
             if keys[index] not in self._cached:

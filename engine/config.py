@@ -19,9 +19,21 @@ class EngineConfig:
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    # Long prompts (engine/scheduler.py, NOTE: long prefills): a prefill with more than
+    # long_prefill_token_threshold tokens still to compute is "long"; it gets at most that
+    # many tokens of a step until every other request was served, then what is left.
+    # None: a quarter of max_num_batched_tokens; 0: no cap. At most max_num_partial_prefills
+    # prefills per step stop short of their prompt's end, at most max_long_partial_prefills
+    # of them long.
+    long_prefill_token_threshold: int | None = None
+    max_num_partial_prefills: int = 1
+    max_long_partial_prefills: int = 1
     # KV cache capacity in tokens; None sizes it from the device (CPU: enough for
     # max_num_seqs sequences of max_model_len, capped).
     kv_cache_tokens: int | None = None
+    # CUDA: the share of the device's total memory the engine may use (weights, activations
+    # and KV cache); the cache gets what a profiled largest step leaves (vLLM's meaning).
+    gpu_memory_utilization: float = 0.9
     block_size: int = 16
     enable_prefix_caching: bool = True
     max_model_len: int | None = None  # None: the model's max_position_embeddings
@@ -60,6 +72,15 @@ class EngineConfig:
             raise ValueError("max_num_seqs must be >= 1")
         if self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be >= 1")
+        if self.long_prefill_token_threshold is not None and self.long_prefill_token_threshold < 0:
+            raise ValueError("long_prefill_token_threshold must be >= 0 (0: no cap)")
+        if self.max_num_partial_prefills < 1 or self.max_long_partial_prefills < 1:
+            raise ValueError("max_num_partial_prefills and max_long_partial_prefills must be >= 1")
+        if self.max_long_partial_prefills > self.max_num_partial_prefills:
+            raise ValueError(
+                f"max_long_partial_prefills ({self.max_long_partial_prefills}) cannot exceed "
+                f"max_num_partial_prefills ({self.max_num_partial_prefills})"
+            )
         if self.fairness not in ("vtc", "fcfs"):
             raise ValueError(f"fairness must be 'vtc' or 'fcfs', got {self.fairness!r}")
         if self.vtc_prompt_weight < 0 or self.vtc_output_weight < 0:
@@ -74,11 +95,24 @@ class EngineConfig:
             raise ValueError("grammar_cache_size and grammar_compile_threads must be >= 1")
         if self.grammar_mask_threads is not None and self.grammar_mask_threads < 1:
             raise ValueError("grammar_mask_threads must be >= 1 (or None: llguidance's pool)")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.block_size:
             raise ValueError(
                 f"kv_cache_tokens ({self.kv_cache_tokens}) must hold at least one block "
                 f"of {self.block_size} tokens"
             )
+
+    @property
+    def long_prefill_cap(self) -> int | None:
+        """Tokens a long prefill gets in a step's first pass; None: no cap."""
+        if self.long_prefill_token_threshold is None:
+            return max(1, self.max_num_batched_tokens // 4)
+        return self.long_prefill_token_threshold or None
 
     @property
     def resolved_data_dir(self) -> Path:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,6 +74,8 @@ class EngineCore:
         )
         self._failures: dict[str, BaseException] = {}  # for the next StepResult
         self.num_step_failures = 0  # steps that raised (their requests ran one by one)
+        self.num_steps = 0  # steps that ran a batch, and their time
+        self.step_seconds = 0.0
         # Steps in a row in which nothing could run (see engine/isolation.py).
         self.consecutive_failures = 0
         self.last_failure: str | None = None
@@ -169,6 +172,7 @@ class EngineCore:
         self.constrained.unbind(request)
 
     def step(self) -> StepResult:
+        started = time.perf_counter()
         try:
             outputs, idle = self._step()
         except Exception as exc:
@@ -178,6 +182,9 @@ class EngineCore:
             self._note_failure("scheduling", exc)
             self.consecutive_failures += 1
             outputs, idle = [], False
+        if not idle:
+            self.num_steps += 1
+            self.step_seconds += time.perf_counter() - started
         failures, self._failures = self._failures, {}
         fatal = None
         if self.consecutive_failures >= self.config.max_consecutive_step_failures:

@@ -34,7 +34,7 @@ from __future__ import annotations
 import bisect
 import enum
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -44,6 +44,8 @@ from engine.request import Request, RequestStatus, ScheduledChunk, TenantContext
 # Order within one tenant and priority: (0 = preempted / 1 = new, arrival time, insertion).
 _QueueKey = tuple[int, float, int]
 _Entry = tuple[_QueueKey, Request]
+# (gate, effective priority, counter, -1 running / 0 preempted / 1 new, arrival, insertion)
+SortKey = tuple[int, int, float, int, float, int]
 _K = TypeVar("_K")
 
 
@@ -157,38 +159,16 @@ class FairQueue:
         entries.sort(key=_first)
         return [request for _, request in entries]
 
-    def admission_order(
-        self, now: float, gate: Callable[[TenantState], Gate]
-    ) -> Iterator[Request]:
-        """Waiting requests, best first, for one admission pass; each is yielded once.
+    def cursor(self, now: float, gate: Callable[[TenantState], Gate]) -> AdmissionCursor:
+        """The waiting requests, best first, for one admission pass (see AdmissionCursor)."""
+        return AdmissionCursor(self, now, gate)
 
-        The best head among all (tenant, priority) queues is picked afresh every time, so
-        charges and gate changes made by the caller between picks count at once. The caller
-        may remove the yielded request (admitted) or leave it (skipped). O(tenants x
-        priorities x log n) per pick.
-        """
-        seen: dict[tuple[str, int], _QueueKey] = {}  # last key yielded per queue
-        while True:
-            best: tuple[tuple[int, int, float, int, float, int], str, int, _QueueKey,
-                        Request] | None = None
-            for state in self._active.values():
-                state_gate = gate(state)
-                if state_gate == Gate.CLOSED:
-                    continue
-                for priority, queue in state.queues.items():
-                    last = seen.get((state.tenant_id, priority))
-                    index = 0 if last is None else bisect.bisect_right(queue, last, key=_first)
-                    if index == len(queue):
-                        continue
-                    key, request = queue[index]
-                    sort_key = (int(state_gate), *self._sort_key(state, key, request, now))
-                    if best is None or sort_key < best[0]:
-                        best = (sort_key, state.tenant_id, priority, key, request)
-            if best is None:
-                return
-            _, tenant_id, priority, key, request = best
-            seen[(tenant_id, priority)] = key
-            yield request
+    def running_key(self, request: Request, now: float, seq: int) -> SortKey:
+        """Where a running request's next prefill chunk stands against waiting requests
+        (AdmissionCursor.peek): with its tenant's counter, before the tenant's waiting ones."""
+        counter = self.counter(request.tenant_id) if self.use_vtc else 0.0
+        return (int(Gate.OPEN), self.effective_priority(request, now), counter, -1,
+                request.arrival_time, seq)
 
     # ---- internals ----------------------------------------------------------------
 
@@ -244,6 +224,47 @@ class FairQueue:
         if not self._active:
             return self._last_counter
         return min(state.counter for state in self._active.values())
+
+
+class AdmissionCursor:
+    """One admission pass over the waiting requests: `peek` names the best one not yet
+    passed, as counters and gates stand at that moment (charges made between calls count
+    at once); `advance` passes it, whether the caller admitted it or left it waiting.
+    O(tenants x priorities x log n) per peek."""
+
+    def __init__(
+        self, fair: FairQueue, now: float, gate: Callable[[TenantState], Gate]
+    ) -> None:
+        self._fair = fair
+        self._now = now
+        self._gate = gate
+        self._seen: dict[tuple[str, int], _QueueKey] = {}  # last key passed per queue
+        self._best: tuple[SortKey, str, int, _QueueKey, Request] | None = None
+
+    def peek(self) -> tuple[SortKey, Request] | None:
+        fair, best = self._fair, None
+        for state in fair._active.values():
+            state_gate = self._gate(state)
+            if state_gate == Gate.CLOSED:
+                continue
+            for priority, queue in state.queues.items():
+                last = self._seen.get((state.tenant_id, priority))
+                index = 0 if last is None else bisect.bisect_right(queue, last, key=_first)
+                if index == len(queue):
+                    continue
+                key, request = queue[index]
+                sort_key = (int(state_gate), *fair._sort_key(state, key, request, self._now))
+                if best is None or sort_key < best[0]:
+                    best = (sort_key, state.tenant_id, priority, key, request)
+        self._best = best
+        return None if best is None else (best[0], best[4])
+
+    def advance(self) -> None:
+        """Pass the request the last `peek` named."""
+        assert self._best is not None, "advance() without a peek() naming a request"
+        _, tenant_id, priority, key, _ = self._best
+        self._seen[(tenant_id, priority)] = key
+        self._best = None
 
 
 def _first(entry: tuple[_K, Request]) -> _K:

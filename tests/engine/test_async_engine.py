@@ -105,3 +105,28 @@ async def test_a_stopped_engine_refuses_with_engine_failed() -> None:
         async for _ in stopped.generate(EngineRequest("r", (1,), SamplingParams())):
             pass
     assert dead.value.code == "engine_failed"
+
+
+async def test_stats_count_steps_and_the_kv_filled_in_blocks(engine: AsyncEngine) -> None:
+    before = engine.stats()
+    ids = engine.encode("Count the steps: one, two, three,")
+    request = EngineRequest(
+        "steps", tuple(ids), SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    )
+    filled: list[tuple[int, int]] = []
+    async for _ in engine.generate(request):
+        stats = engine.stats()
+        filled.append((stats.kv_filled_slots, stats.num_total_blocks - stats.num_free_blocks))
+    after = engine.stats()
+    # One prefill step (the prompt fits the budget), then one step per further token.
+    assert after.num_steps - before.num_steps == 6
+    assert after.step_seconds > before.step_seconds
+    assert after.block_size == 16
+    # While it runs, the blocks held are this request's: its KV fills all but the tail
+    # (and a block the next step took already, read between schedule and forward).
+    # Read once it finished (the last token), it holds nothing.
+    running = [(n, b) for n, b in filled if b]
+    assert running
+    for num_filled, num_blocks in running:
+        assert len(ids) <= num_filled <= len(ids) + 6
+        assert -(-num_filled // 16) <= num_blocks <= -(-num_filled // 16) + 1

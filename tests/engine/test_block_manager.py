@@ -275,3 +275,28 @@ def test_tearing_down_a_failed_step_forgets_blocks_shared_before_written() -> No
     assert bm.num_free_blocks == 8
     assert bm.num_cached_blocks == 0
     assert bm.get_computed_tokens(make_request("c", 10)) == 0
+
+
+def test_filled_slots_count_computed_kv_once_per_block() -> None:
+    bm = BlockManager(16, BS, True)
+    a = make_request("a", 10, max_tokens=4)
+    admit(bm, a)
+    assert bm.filled_slots([a]) == 0  # allocated for the step, nothing computed yet
+    compute(a)
+    assert bm.filled_slots([a]) == 10  # blocks of 4, 4 and 2 of 4
+    b = make_request("b", [*a.prompt_token_ids[:8], 77, 78, 79], max_tokens=4)
+    assert admit(bm, b) == 8  # shares a's two full blocks
+    compute(b)
+    assert bm.filled_slots([a, b]) == 10 + 3  # the shared blocks once
+    assert (bm.num_blocks - bm.num_free_blocks) * BS == 16  # 4 blocks held
+
+
+def test_a_chunk_that_grows_in_its_step_registers_each_block_once() -> None:
+    bm = BlockManager(16, BS, True)
+    a = make_request("a", 20)
+    assert bm.allocate_slots(a, 6)
+    assert bm.num_cached_blocks == 1
+    assert bm.allocate_slots(a, 13)  # the same step's chunk, grown: blocks 1 and 2 too
+    assert bm.num_cached_blocks == 3 and len(a.block_ids) == 4
+    b = make_request("b", [*a.prompt_token_ids[:12], 5], max_tokens=2)
+    assert bm.get_computed_tokens(b) == 12

@@ -31,9 +31,17 @@ def make_scheduler(
     max_num_seqs: int = 8,
     max_loras: int = 2,
     enable_prefix_caching: bool = True,
+    long_prefill_token_threshold: int | None = 0,
+    max_num_partial_prefills: int = 1,
+    max_long_partial_prefills: int = 1,
 ) -> Scheduler:
+    """By default without the long-prefill cap: plain chunking, one budget filled in order
+    (tests/engine/test_scheduler_prefills.py tests the caps)."""
     config = EngineConfig(
         block_size=BS,
+        long_prefill_token_threshold=long_prefill_token_threshold,
+        max_num_partial_prefills=max_num_partial_prefills,
+        max_long_partial_prefills=max_long_partial_prefills,
         max_num_batched_tokens=max_num_batched_tokens,
         max_num_seqs=max_num_seqs,
         max_loras=max_loras,
@@ -327,11 +335,21 @@ def _check_invariants(s: Scheduler, out: SchedulerOutput) -> None:
     assert sorted(bm.free_block_ids()) == [b for b in range(bm.num_blocks) if not holders[b]]
 
 
+# (long_prefill_token_threshold, max_num_partial_prefills, max_long_partial_prefills)
+CAPS = [(0, 1, 1), (4, 1, 1), (6, 3, 2)]
+
+
+@pytest.mark.parametrize("caps", CAPS, ids=[f"caps{c}" for c in CAPS])
 @pytest.mark.parametrize("seed", range(6))
-def test_random_workload_keeps_invariants_and_frees_everything(seed: int) -> None:
+def test_random_workload_keeps_invariants_and_frees_everything(
+    seed: int, caps: tuple[int, int, int]
+) -> None:
     rng = random.Random(seed)
+    threshold, num_partial, num_long = caps
     s = make_scheduler(
-        num_blocks=8, max_num_batched_tokens=16, max_num_seqs=4, enable_prefix_caching=seed % 3 != 2
+        num_blocks=8, max_num_batched_tokens=16, max_num_seqs=4,
+        enable_prefix_caching=seed % 3 != 2, long_prefill_token_threshold=threshold,
+        max_num_partial_prefills=num_partial, max_long_partial_prefills=num_long,
     )
     prefixes = [[rng.randrange(50) for _ in range(8)] for _ in range(3)]
     requests: list[Request] = []
