@@ -35,6 +35,9 @@ class PlanInputError(click.ClickException):
                help="Sequences per step on shared workers (dedicated: the tenant's concurrency).")
 @engine_option("--max-num-batched-tokens", help=None)
 @engine_option("--block-size")
+@engine_option("--gpu-memory-utilization",
+               help="The share of each GPU or MIG slice a worker may use, as the engine's "
+                    "--gpu-memory-utilization.")
 @click.option("--format", "fmt", default="json", show_default=True, type=click.Choice(_FORMATS))
 def plan(
     topology_path: Path | None,
@@ -46,6 +49,7 @@ def plan(
     max_num_seqs: int,
     max_num_batched_tokens: int,
     block_size: int,
+    gpu_memory_utilization: float,
     fmt: str,
 ) -> None:
     """Plan engine workers for TENANTS on the GPUs of a topology file or of this machine.
@@ -74,7 +78,8 @@ def plan(
     try:
         shape = WorkerShape(dtype=dtype, max_loras=max_loras, max_lora_rank=max_lora_rank,
                             max_num_seqs=max_num_seqs,
-                            max_num_batched_tokens=max_num_batched_tokens, block_size=block_size)
+                            max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
+                            gpu_memory_utilization=gpu_memory_utilization)
         topology = load_topology(topology_path) if topology_path else discover_nvml()
         tenants = load_tenants(tenants_path)
         config, _ = planning_model_config(model, default_data_dir())

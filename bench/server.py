@@ -8,7 +8,8 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -47,12 +48,19 @@ def wait_ready(
 
 @contextlib.contextmanager
 def running_server(
-    serve_args: list[str], *, timeout_s: float = 300.0, env: dict[str, str] | None = None
+    serve_args: list[str],
+    *,
+    timeout_s: float = 300.0,
+    env: dict[str, str] | None = None,
+    on_start: Callable[[subprocess.Popen[bytes]], None] | None = None,
 ) -> Iterator[str]:
-    """Yield the base URL of a `loraplex serve --no-auth` started with `serve_args`."""
+    """Yield the base URL of a `loraplex serve --no-auth` started with `serve_args`.
+    on_start: handed the server's process as soon as it is started (its pid, for RSS)."""
     port = free_port()
     cmd = [sys.executable, "-m", "app.cli", "serve", "--no-auth", "--port", str(port), *serve_args]
     proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})})
+    if on_start is not None:
+        on_start(proc)
     base_url = f"http://127.0.0.1:{port}"
     try:
         wait_ready(proc, base_url, timeout_s, cmd=cmd)
@@ -64,3 +72,46 @@ def running_server(
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def engine_counters(base_url: str, headers: dict[str, str] | None = None) -> dict[str, float]:
+    """The engine's cumulative counters from /metrics that the figures divide."""
+    wanted = (
+        "loraplex_engine_steps_total", "loraplex_engine_step_seconds_total",
+        "loraplex_prompt_tokens_total", "loraplex_generation_tokens_total",
+        "loraplex_prefix_cache_hits_total", "loraplex_prefix_cache_queries_total",
+    )
+    values = dict.fromkeys(wanted, 0.0)
+    text = httpx.get(f"{base_url}/metrics", timeout=10, headers=headers).text
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        base = name.split("{", 1)[0]
+        if base in values:
+            values[base] += float(value)
+    return values
+
+
+@dataclass(slots=True)
+class ProcessMemory:
+    """Resident memory of a process, from /proc/PID/status (Linux), in MiB."""
+
+    pid: int
+
+    def read(self) -> dict[str, int]:
+        """VmRSS (now) and VmHWM (the peak so far); {} where /proc has no such process."""
+        try:
+            text = Path(f"/proc/{self.pid}/status").read_text()
+        except OSError:
+            return {}
+        found: dict[str, int] = {}
+        for line in text.splitlines():
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                found[key] = int(value.split()[0]) // 1024
+        return found
+
+    def rss_mb(self) -> int | None:
+        return self.read().get("VmRSS")
+
+    def peak_rss_mb(self) -> int | None:
+        return self.read().get("VmHWM")

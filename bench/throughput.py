@@ -1,7 +1,8 @@
 """`loraplex bench throughput`: the engine behind the HTTP server against HF `generate`.
 
 Same requests, same machine, same run: engine output tokens/s over N concurrent
-streams, TTFT p50/p99, TPOT p50; then Hugging Face `generate` one request at a time
+streams, TTFT p50/p99, TPOT p50, and the server's resident memory (RSS once ready, at
+its peak, at the end of the load); then Hugging Face `generate` one request at a time
 and in static batches; the ratios are what `docs/BENCHMARKS.md` records.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import platform
+import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,7 +19,7 @@ from pathlib import Path
 import torch
 
 from bench.hf_baseline import HFResult, load_hf_model, run_one_at_a_time, run_static_batches
-from bench.server import running_server
+from bench.server import ProcessMemory, running_server
 from bench.workload import BenchRequest, LoadResult, make_requests, run_load
 from engine.config import default_data_dir
 from engine.model_loader import load_model_config, resolve_model
@@ -70,15 +72,25 @@ def run_throughput(opts: ThroughputOptions) -> dict[str, object]:
     static_runs: list[HFResult] = []
     single: HFResult | None = None
     hf_model = None if opts.skip_hf else load_hf_model(model_dir)
+    memory_runs: list[dict[str, int | None]] = []
     for round_index in range(opts.repeats):
-        with running_server(["--model", opts.model, *opts.serve_args]) as base_url:
+        procs: list[subprocess.Popen[bytes]] = []
+        with running_server(["--model", opts.model, *opts.serve_args], on_start=procs.append
+                            ) as base_url:
+            server = ProcessMemory(procs[0].pid)
+            ready_rss = server.rss_mb()
             base_model = model_name(base_url)
             warm = [BenchRequest(prompt_token_ids=requests[0].prompt_token_ids[:32], max_tokens=4)]
             asyncio.run(run_load(base_url, base_model, warm, 1))
             engine_runs.append(
                 asyncio.run(run_load(base_url, base_model, requests, opts.concurrency))
             )
-        print_row(f"engine #{round_index}", engine_runs[-1].summary())
+            memory_runs.append({
+                "ready_rss_mb": ready_rss,
+                "peak_rss_mb": server.peak_rss_mb(),  # VmHWM: the kernel's high-water mark
+                "end_rss_mb": server.rss_mb(),
+            })
+        print_row(f"engine #{round_index}", {**engine_runs[-1].summary(), **memory_runs[-1]})
         if hf_model is None:
             continue
         if single is None:
@@ -88,9 +100,12 @@ def run_throughput(opts: ThroughputOptions) -> dict[str, object]:
         static_runs.append(run_static_batches(hf_model, requests, opts.hf_batch_size))
         print_row(f"hf static x{opts.hf_batch_size} #{round_index}", static_runs[-1].summary())
 
-    engine = max(engine_runs, key=lambda r: r.output_tokens_per_s)
-    report["engine"] = engine.summary()
-    report["engine_runs"] = [r.summary() for r in engine_runs]
+    best = max(range(len(engine_runs)), key=lambda i: engine_runs[i].output_tokens_per_s)
+    engine = engine_runs[best]
+    report["engine"] = {**engine.summary(), **memory_runs[best]}
+    report["engine_runs"] = [
+        {**r.summary(), **m} for r, m in zip(engine_runs, memory_runs, strict=True)
+    ]
     if single is not None and static_runs:
         static = max(static_runs, key=lambda r: r.output_tokens_per_s)
         report["hf_one_at_a_time"] = single.summary()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Mapping
@@ -13,7 +14,7 @@ import torch
 
 from engine.attention import AttentionMetadata, LayerKVCache, PrefillSequence, allocate_kv_cache
 from engine.config import EngineConfig
-from engine.host_memory import keep_freed_activation_memory
+from engine.host_memory import idle_trimmer, keep_freed_activation_memory, release_free_memory
 from engine.lora.layers import LoRASlots
 from engine.model_loader import (
     ModelConfig,
@@ -24,23 +25,26 @@ from engine.model_loader import (
 from engine.models.base import CausalLM
 from engine.models.cpu_linear import pack_linears, packing_available
 from engine.models.registry import model_class_for
+from engine.placement.memory import KVCacheBudget, kv_cache_budget
 from engine.request import ScheduledChunk, SchedulerOutput
+from engine.step_profile import run_largest_step
 from kernels.reference import LoRASegments
 
 logger = logging.getLogger(__name__)
 
 # NOTE: on CPU the default cache holds enough tokens for max_num_seqs sequences of
-# max_model_len, capped at this many tokens (SmolLM2: 46 KiB per token, so 3 GiB).
-# torch.zeros pages memory in lazily, so an idle cache costs little.
+# max_model_len, capped at this many tokens (SmolLM2: 46 KiB per token, so 3 GiB). The
+# cache is an untouched anonymous mapping (allocate_kv_cache): its pages are backed only
+# once blocks are written, so RSS follows the blocks used, not this capacity.
 CPU_DEFAULT_KV_CACHE_TOKENS = 65536
-# On CUDA, the share of the memory still free after loading weights that the cache takes.
-CUDA_KV_CACHE_MEMORY_FRACTION = 0.8
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def resolve_device_dtype(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
-    """`auto` device: CUDA if available else CPU; `auto` dtype: bf16 on CUDA, float32 on CPU."""
+    """`auto` device: CUDA if available else CPU; `auto` dtype: bf16 on CUDA devices that
+    support it (compute capability 8.0+), else float16; float32 on CPU. bfloat16 asked
+    for on a CUDA device without it is refused."""
     if device == "auto":
         dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     else:
@@ -52,11 +56,30 @@ def resolve_device_dtype(device: str, dtype: str) -> tuple[torch.device, torch.d
             raise ValueError(f"unsupported device {device!r} (cpu, cuda, cuda:N or auto)")
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device {device!r} requested but CUDA is not available")
-    if dtype == "auto":
-        return dev, torch.bfloat16 if dev.type == "cuda" else torch.float32
-    if dtype not in _DTYPES:
+    if dtype != "auto" and dtype not in _DTYPES:
         raise ValueError(f"unknown dtype {dtype!r} (auto, {', '.join(_DTYPES)})")
+    if dev.type != "cuda":
+        return dev, torch.float32 if dtype == "auto" else _DTYPES[dtype]
+    if dtype in ("float32", "float16"):
+        return dev, _DTYPES[dtype]
+    bf16 = _cuda_supports_bf16(dev)
+    if dtype == "auto":
+        return dev, torch.bfloat16 if bf16 else torch.float16
+    if dtype == "bfloat16" and not bf16:
+        major, minor = torch.cuda.get_device_capability(dev)
+        raise ValueError(
+            f"dtype bfloat16 is not supported on {torch.cuda.get_device_name(dev)} "
+            f"(compute capability {major}.{minor}; bfloat16 needs 8.0 or newer): use "
+            "--dtype float16 (or auto, which picks float16 there)"
+        )
     return dev, _DTYPES[dtype]
+
+
+def _cuda_supports_bf16(dev: torch.device) -> bool:
+    # NOTE: is_bf16_supported() answers for the current device; ask for this one.
+    # including_emulation=False: emulated bf16 on pre-Ampere GPUs is far slower than fp16.
+    with torch.cuda.device(dev):
+        return bool(torch.cuda.is_bf16_supported(including_emulation=False))
 
 
 @dataclass(slots=True)
@@ -80,6 +103,13 @@ class ModelRunner:
         self.tokenizer: Any = load_tokenizer(self.model_dir)
 
         model_len = self.model_config.max_model_len
+        max_pos = self.model_config.max_position_embeddings
+        if config.max_model_len is not None and config.max_model_len > max_pos:
+            raise ValueError(
+                f"max_model_len {config.max_model_len} exceeds the model's "
+                f"max_position_embeddings {max_pos} ({self.model_dir.name}); "
+                f"use --max-model-len {max_pos} or less"
+            )
         if config.max_model_len is not None and config.max_model_len > model_len:
             logger.warning(
                 "max_model_len %d exceeds the model's %d; using %d",
@@ -95,21 +125,30 @@ class ModelRunner:
         )
         self.model.load_weights(iter_safetensors(self.model_dir))
         self.model.eval()
-        if self.device.type == "cpu":
-            keep_freed_activation_memory()
         if config.pack_cpu_weights and packing_available(self.device, self.dtype):
             tied = self.model.embed_tokens.weight if self.model.lm_head is None else None
             num_packed = pack_linears(self.model, lm_head_weight=tied)
             logger.info("packed %d linear layers for oneDNN", num_packed)
+        if self.device.type == "cpu":
+            # The unpacked weights just freed would otherwise stay in the heap for good.
+            release_free_memory()
+            keep_freed_activation_memory()
         self.lora: LoRASlots | None = None
         if config.max_loras > 0:
             self.lora = self.model.enable_lora(config.max_loras, config.max_lora_rank)
 
         mc = self.model_config
+        self.kv_budget: KVCacheBudget | None = None  # CUDA: how the cache was sized
         self.kv_bytes_per_token = (
             2 * mc.num_layers * mc.kv_size * torch.empty((), dtype=self.dtype).element_size()
         )
         num_tokens = config.kv_cache_tokens or self._default_kv_cache_tokens(max_model_len)
+        if self.kv_budget is not None and num_tokens < self.block_size:
+            raise ValueError(
+                f"no memory is left for the KV cache: {self.kv_budget.describe()}; raise "
+                "--gpu-memory-utilization, or lower --max-num-batched-tokens, --max-num-seqs, "
+                "--max-loras or --max-lora-rank"
+            )
         self.num_blocks = max(1, -(-num_tokens // self.block_size))
         capacity = self.num_blocks * self.block_size
         if capacity < max_model_len:
@@ -144,9 +183,47 @@ class ModelRunner:
         wanted = self.config.max_num_seqs * max_model_len
         if self.device.type != "cuda":
             return min(wanted, CPU_DEFAULT_KV_CACHE_TOKENS)
-        free_bytes, _ = torch.cuda.mem_get_info(self.device)
-        fits = int(free_bytes * CUDA_KV_CACHE_MEMORY_FRACTION) // self.kv_bytes_per_token
-        return max(self.block_size, min(wanted, fits))
+        return self._cuda_kv_cache_tokens(max_model_len)
+
+    def _cuda_kv_cache_tokens(self, max_model_len: int) -> int:
+        self.kv_budget = self._profile_kv_budget(max_model_len)
+        logger.info("KV cache budget: %s", self.kv_budget.describe())
+        return self.kv_budget.kv_cache_tokens
+
+    def _profile_kv_budget(self, max_model_len: int) -> KVCacheBudget:
+        """Run the largest step once and give the KV cache what is left of
+        gpu_memory_utilization x the device's memory (kv_cache_budget)."""
+        dev = self.device
+        torch.cuda.synchronize(dev)
+        torch.cuda.empty_cache()
+        weights = torch.cuda.memory_allocated(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        scratch_bytes = self.profile_run(max_model_len)
+        torch.cuda.synchronize(dev)
+        peak = torch.cuda.max_memory_allocated(dev)
+        free, total = torch.cuda.mem_get_info(dev)
+        # What the process and anything else on the device use outside torch's caching
+        # allocator (CUDA context, cuBLAS and Triton workspaces, other processes).
+        non_torch = max(0, total - free - torch.cuda.memory_reserved(dev))
+        torch.cuda.empty_cache()
+        return kv_cache_budget(
+            total_bytes=total,
+            weights_bytes=weights,
+            activation_bytes=max(0, peak - weights - scratch_bytes),
+            non_torch_bytes=non_torch,
+            kv_bytes_per_token=self.kv_bytes_per_token,
+            gpu_memory_utilization=self.config.gpu_memory_utilization,
+            block_size=self.block_size,
+            kv_gather_divisor=self.model_config.num_layers,
+        )
+
+    def profile_run(self, max_model_len: int) -> int:
+        """The largest step the config allows, once (see engine/step_profile.py); returns
+        the bytes of the scratch KV cache it ran against."""
+        return run_largest_step(
+            self.model, self.lora, self.config, self.model_config,
+            max_model_len=max_model_len, dtype=self.dtype, device=self.device,
+        )
 
     @property
     def vocab_size(self) -> int:
@@ -159,6 +236,12 @@ class ModelRunner:
         `adapter_slots`: the device slot of every adapter id the chunks' requests use."""
         if not output.chunks:
             return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
+        with idle_trimmer.busy() if self.device.type == "cpu" else contextlib.nullcontext():
+            return self._execute(output, adapter_slots)
+
+    def _execute(
+        self, output: SchedulerOutput, adapter_slots: Mapping[str, int] | None
+    ) -> torch.Tensor:
         inputs = self.prepare_inputs(output.chunks, adapter_slots)
         with torch.inference_mode():
             hidden = self.model(

@@ -27,7 +27,6 @@ from bench.hf_baseline import HFResult, run_static_batches
 from bench.workload import BenchRequest, make_requests
 from engine.engine_core import EngineCore
 from engine.model_loader import load_model_config
-from engine.model_runner import CUDA_KV_CACHE_MEMORY_FRACTION
 
 
 def _gib(num_bytes: float) -> float:
@@ -80,9 +79,9 @@ class BenchModel:
         runner = self.core.runner
         self.kv = {
             "setting": (
-                "EngineConfig has no GPU memory utilisation setting; with kv_cache_tokens unset "
-                f"the cache takes CUDA_KV_CACHE_MEMORY_FRACTION={CUDA_KV_CACHE_MEMORY_FRACTION} "
-                "of the memory free after the weights and LoRA slots (CPU: a fixed cap)"
+                "kv_cache_tokens unset: the cache takes what a profiled largest step leaves "
+                f"of gpu_memory_utilization={self.core.runner.config.gpu_memory_utilization} "
+                "of the device's total memory (CPU: a fixed cap)"
             ),
             "num_blocks": runner.num_blocks,
             "block_size": runner.block_size,

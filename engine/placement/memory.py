@@ -7,6 +7,11 @@ A worker holds, for its whole life:
 - a CUDA context reserve (driver context, cuBLAS workspaces, allocator slack);
 - activation headroom for one step, see `activation_bytes`;
 - the KV cache: 2 (K and V) x layers x kv_heads x head_dim x dtype bytes per token.
+
+The worker may use `gpu_memory_utilization` of the device's total memory for all of it;
+`kv_cache_budget` gives the KV cache what is left. The engine calls the same function on
+CUDA with the numbers it measures at startup (weights and a profiled largest step, see
+ModelRunner), the planner with the estimates below, so the two agree.
 """
 
 from __future__ import annotations
@@ -26,6 +31,81 @@ CUDA_CONTEXT_BYTES = 1 * GIB
 ACTIVATION_SAFETY_FACTOR = 2
 # The sampler holds float32 logits, probabilities and a sorted copy for top-p per sequence.
 _LOGIT_COPIES = 3
+# vLLM's default and meaning: the share of the device's total memory the worker may use.
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+
+
+def check_gpu_memory_utilization(value: float) -> None:
+    if not 0 < value <= 1:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {value}")
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheBudget:
+    """How a device's memory limit splits, and the KV cache tokens left for it."""
+
+    limit_bytes: int  # total x gpu_memory_utilization
+    weights_bytes: int  # base weights and adapter slots
+    activation_bytes: int  # peak transient memory of the largest step
+    non_torch_bytes: int  # CUDA context, library workspaces: outside torch's allocator
+    kv_bytes_per_token: int
+    kv_cache_tokens: int  # whole blocks; 0 when not even one block fits
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.kv_cache_tokens * self.kv_bytes_per_token
+
+    def describe(self) -> str:
+        return (
+            f"limit {gib(self.limit_bytes):.2f} GiB: weights and adapter slots "
+            f"{gib(self.weights_bytes):.2f} + peak activations {gib(self.activation_bytes):.2f}"
+            f" + CUDA context {gib(self.non_torch_bytes):.2f} GiB, KV cache "
+            f"{gib(self.kv_cache_bytes):.2f} GiB for {self.kv_cache_tokens} tokens"
+        )
+
+
+def kv_cache_budget(
+    *,
+    total_bytes: int,
+    weights_bytes: int,
+    activation_bytes: int,
+    kv_bytes_per_token: int,
+    gpu_memory_utilization: float,
+    block_size: int,
+    non_torch_bytes: int = 0,
+    kv_gather_divisor: int | None = None,
+) -> KVCacheBudget:
+    """The KV cache tokens that fit under total_bytes x gpu_memory_utilization beside the
+    weights, the peak activations and the non-torch memory, in whole blocks.
+
+    kv_gather_divisor: transient memory that grows with the cache, ceil(kv bytes / divisor)
+    (decode attention gathers up to one layer's share of the cache: the number of layers);
+    a profiling step cannot measure it, so both callers add it here.
+    """
+    check_gpu_memory_utilization(gpu_memory_utilization)
+    assert kv_bytes_per_token > 0 and block_size > 0, (kv_bytes_per_token, block_size)
+    limit = int(total_bytes * gpu_memory_utilization)
+    left = limit - weights_bytes - activation_bytes - non_torch_bytes
+
+    def cost(tokens: int) -> int:
+        kv = tokens * kv_bytes_per_token
+        return kv + (-(-kv // kv_gather_divisor) if kv_gather_divisor else 0)
+
+    tokens = 0
+    if left > 0:
+        d = kv_gather_divisor or 0
+        tokens = left * d // (kv_bytes_per_token * (d + 1)) if d else left // kv_bytes_per_token
+        while tokens > 0 and cost(tokens) > left:
+            tokens -= 1
+        tokens -= tokens % block_size
+    return KVCacheBudget(
+        limit_bytes=limit,
+        weights_bytes=weights_bytes,
+        activation_bytes=activation_bytes,
+        non_torch_bytes=non_torch_bytes,
+        kv_bytes_per_token=kv_bytes_per_token,
+        kv_cache_tokens=tokens,
+    )
 
 
 def dtype_bytes(dtype: str) -> int:
@@ -65,9 +145,11 @@ class WorkerShape:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     block_size: int = 16
+    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
 
     def __post_init__(self) -> None:
         dtype_bytes(self.dtype)
+        check_gpu_memory_utilization(self.gpu_memory_utilization)
         for name in ("max_loras", "max_lora_rank", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
@@ -164,14 +246,25 @@ class MemoryModel:
         )
 
     def kv_cache_tokens(self, device_bytes: int, max_num_seqs: int | None = None) -> int:
-        """The KV cache a device of `device_bytes` holds after everything else, in whole
-        blocks; 0 when not even one block fits."""
-        fixed = self.breakdown(0, max_num_seqs).total
-        # Each cached token also grows the decode gather by 1/num_layers of its bytes.
-        per_token = self.kv_bytes_per_token * (1 + 1 / self.cfg.num_layers)
-        tokens = int(max(0, device_bytes - fixed) // per_token)
-        tokens -= tokens % self.shape.block_size
-        # Rounding in activation_bytes may tip the last block over; step back until it fits.
-        while tokens > 0 and self.breakdown(tokens, max_num_seqs).total > device_bytes:
-            tokens -= self.shape.block_size
-        return tokens
+        """The KV cache a device of `device_bytes` holds under the worker's
+        gpu_memory_utilization after everything else, in whole blocks; 0 when not even one
+        block fits."""
+        return self.kv_cache_budget(device_bytes, max_num_seqs).kv_cache_tokens
+
+    def kv_cache_budget(self, device_bytes: int, max_num_seqs: int | None = None) -> KVCacheBudget:
+        fixed = self.breakdown(0, max_num_seqs)
+        return kv_cache_budget(
+            total_bytes=device_bytes,
+            weights_bytes=fixed.weights + fixed.adapters,
+            activation_bytes=fixed.activations,
+            non_torch_bytes=fixed.cuda_context,
+            kv_bytes_per_token=self.kv_bytes_per_token,
+            gpu_memory_utilization=self.shape.gpu_memory_utilization,
+            block_size=self.shape.block_size,
+            kv_gather_divisor=self.cfg.num_layers,
+        )
+
+    def fits(self, need: MemoryBreakdown, device_bytes: int) -> bool:
+        """Whether a worker of footprint `need` fits a device of `device_bytes` under the
+        utilisation limit."""
+        return need.total <= int(device_bytes * self.shape.gpu_memory_utilization)

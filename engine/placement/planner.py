@@ -236,10 +236,10 @@ class _Planner:
 
     def _place_dedicated(self, t: TenantSpec) -> None:
         need = self._footprint(t)
-        candidates = [s for s in self.free if s.memory_bytes >= need.total]
+        candidates = [s for s in self.free if self.memory.fits(need, s.memory_bytes)]
         for auto in self.auto:
             by_size = sorted(auto.model.profiles, key=lambda p: (p.usable_gib, p.compute_slices))
-            fitting = (p for p in by_size if p.usable_gib * GIB >= need.total)
+            fitting = (p for p in by_size if self.memory.fits(need, int(p.usable_gib * GIB)))
             smallest = next((s for p in fitting if (s := auto.candidate(p.name))), None)
             if smallest is not None:
                 candidates.append(smallest)
@@ -251,7 +251,8 @@ class _Planner:
             else:
                 reason = (f"needs {need.describe()} for {t.concurrency} x {ctx} tokens; the "
                           f"largest free slot has {largest.memory_gib:.2f} GiB "
-                          f"({largest.where})")
+                          f"({largest.where}), of which gpu_memory_utilization "
+                          f"{self.options.shape.gpu_memory_utilization} may be used")
             self._unplace(t, reason)
             return
         slot = min(candidates, key=lambda s: (s.memory_gib, s.compute_slices, s.order))

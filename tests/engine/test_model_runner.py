@@ -60,8 +60,9 @@ def test_kv_cache_sizing(tiny_model_factory) -> None:
     assert capped.num_blocks == CPU_DEFAULT_KV_CACHE_TOKENS // 8
     assert capped.max_model_len == 256  # the model's own limit
 
-    too_long = _runner(model_dir, kv_cache_tokens=1024, max_model_len=1000)
-    assert too_long.max_model_len == 256
+    with pytest.raises(ValueError, match="max_model_len 1000 exceeds the model's "
+                       "max_position_embeddings 256"):
+        _runner(model_dir, kv_cache_tokens=1024, max_model_len=1000)
 
 
 def test_num_threads_is_applied(tiny_model_factory) -> None:

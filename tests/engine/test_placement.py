@@ -152,9 +152,10 @@ def test_a100_as_7x1g(smollm2: ModelConfig) -> None:
     ]
     acme = result.workers[0]
     assert acme.env == {"CUDA_VISIBLE_DEVICES": "MIG-0a6c1d2e-1f30-5a4b-8c9d-000000000001"}
-    assert (acme.memory_gb, acme.max_num_seqs, acme.kv_cache_tokens) == (9.5, 32, 354192)
+    # 0.9 of the slice (gpu_memory_utilization's default) holds all of it.
+    assert (acme.memory_gb, acme.max_num_seqs, acme.kv_cache_tokens) == (9.5, 32, 311360)
     assert acme.setup is None
-    assert acme.args[-2:] == ("--kv-cache-tokens", "354192")
+    assert acme.args[-2:] == ("--kv-cache-tokens", "311360")
     assert acme.args[acme.args.index("--max-num-seqs") + 1] == "32"
     assert result.unplaced == ()
 
@@ -214,7 +215,8 @@ def test_node_without_mig(smollm2: ModelConfig) -> None:
 
 def test_mig_auto_chooses_profiles(smollm2: ModelConfig, llama8b: ModelConfig) -> None:
     tenants = load_tenants(FIXTURES / "tenants_mixed.yaml")
-    small = make_plan(topology("mig_auto"), tenants, smollm2)
+    whole = PlanOptions(shape=WorkerShape(gpu_memory_utilization=1.0))
+    small = make_plan(topology("mig_auto"), tenants, smollm2, whole)
     # SmolLM2 fits the A100-40GB's 1g.5gb: one per dedicated tenant, the rest as few
     # shared instances as possible; the H200 becomes one shared 7g instance.
     assert summary(small) == [
@@ -233,7 +235,7 @@ def test_mig_auto_chooses_profiles(smollm2: ModelConfig, llama8b: ModelConfig) -
     assert a100.env == {
         "CUDA_VISIBLE_DEVICES": "MIG-<uuid of new 1g.5gb instance #0 on node-auto GPU 1>"
     }
-    big = make_plan(topology("mig_auto"), tenants, llama8b)
+    big = make_plan(topology("mig_auto"), tenants, llama8b, whole)
     assert summary(big) == [
         (0, "1g.35gb", "dedicated", ("globex",)),
         (0, "4g.71gb", "shared", ("small-co", "initech")),
@@ -272,7 +274,8 @@ def test_a_model_that_fits_nowhere(tmp_path: Path) -> None:
     assert acme.startswith("needs ")
     assert "(weights 131.42 + KV cache 40.00 for 131072 tokens" in acme
     assert acme.endswith("for 32 x 4096 tokens; the largest free slot has 79.12 GiB "
-                         "(node-a GPU 1 MIG 7g.80gb)")
+                         "(node-a GPU 1 MIG 7g.80gb), of which gpu_memory_utilization 0.9 "
+                         "may be used")
     assert small.startswith("a worker of this model needs at least ")
     assert small.endswith("the largest slot left for shared workers has 79.12 GiB "
                           "(node-a GPU 1 MIG 7g.80gb)")
@@ -317,7 +320,8 @@ def test_shared_tenants_draw_from_one_pool(smollm2: ModelConfig) -> None:
 
 def test_a_sequence_longer_than_any_shared_worker(llama8b: ModelConfig) -> None:
     tenants = [TenantSpec("long", "shared", 1, 8192), TenantSpec("short", "shared", 1, 1024)]
-    tight = PlanOptions(shape=WorkerShape(max_loras=154))  # 48 GiB of adapter slots
+    # 48 GiB of adapter slots, on the whole of each device
+    tight = PlanOptions(shape=WorkerShape(max_loras=154, gpu_memory_utilization=1.0))
     result = make_plan(topology("h200_mixed"), tenants, llama8b, tight)
     holds = max(w.kv_cache_tokens for w in result.workers)
     assert holds < 8192

@@ -119,7 +119,8 @@ def test_kv_cache_tokens_is_the_most_that_fits(device_gib: float) -> None:
         assert tokens == 0
         return
     assert tokens % 16 == 0
-    assert model.breakdown(tokens).total <= device < model.breakdown(tokens + 16).total
+    limit = int(device * 0.9)  # gpu_memory_utilization's default
+    assert model.breakdown(tokens).total <= limit < model.breakdown(tokens + 16).total
 
 
 def test_breakdown_parts() -> None:
