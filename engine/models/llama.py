@@ -98,7 +98,7 @@ class LlamaMLP(nn.Module):
         if lora is not None and self.gate_up_lora is not None:
             self.gate_up_lora.apply(gate_up, x, lora)
         gate, up = gate_up[:, : self.intermediate_size], gate_up[:, self.intermediate_size :]
-        h = F.silu(gate) * up
+        h = F.silu(gate).mul_(up)  # [T, I] contiguous: one temporary, not two
         y = self.down_proj(h)
         if lora is not None and self.down_lora is not None:
             self.down_lora.apply(y, h, lora)
@@ -123,8 +123,10 @@ class LlamaDecoderLayer(nn.Module):
         meta: AttentionMetadata,
         lora: ref.LoRASegments | None = None,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, cache, meta, lora)
-        return x + self.mlp(self.post_attention_layernorm(x), lora)
+        # NOTE: residuals added in place into the sublayers' fresh outputs (a + x is
+        # x + a bit for bit), so a layer allocates no [T, HID] sums of its own.
+        x = self.self_attn(self.input_layernorm(x), rope, cache, meta, lora).add_(x)
+        return self.mlp(self.post_attention_layernorm(x), lora).add_(x)
 
 
 class LlamaForCausalLM(CausalLM):

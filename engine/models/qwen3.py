@@ -29,7 +29,7 @@ class Qwen3Attention(LlamaAttention):
 
     def rope_qk(self, qk: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         # [T, H + KVH, D]: normalized per head, scaled by its norm's weight, then rotated.
-        normed = F.rms_norm(qk, (self.head_dim,), None, self.norm_eps) * self.qk_norm_weight
+        normed = F.rms_norm(qk, (self.head_dim,), None, self.norm_eps).mul_(self.qk_norm_weight)
         return ref.apply_rope_interleaved(normed, rope)
 
 

@@ -1,0 +1,375 @@
+"""`loraplex bench roofline`: this CPU's limits, and a decode step against them.
+
+One run measures the float32 matmul peak (GFLOP/s, a large `torch.mm` on every intra-op
+thread) and the memory bandwidth (GB/s, a large copy and a large sum), then drives an
+in-process `EngineCore` (no HTTP) through decode steps of N sequences, base model and
+spread over adapters, and reports:
+
+- the mean step time, unprofiled;
+- where it goes (torch profiler, each op's self time by part: linear layers, LoRA, K/V
+  write, K/V gather, decode attention, norms, rope, activation, residuals, lm_head,
+  sampling, input preparation; "python" is the step time no op accounts for);
+- the step's roofline: the bytes it must move (every weight once, the LoRA weights of
+  the slots in use, the K/V it reads) over the bandwidth, its flops over the peak; the
+  bound is the larger, and `roofline_fraction` = bound / measured step.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.throughput import machine_description, print_row
+from engine.config import EngineConfig, default_data_dir
+from engine.model_loader import load_model_config, resolve_model
+
+
+@dataclass(slots=True)
+class RooflineOptions:
+    model: str = "default"
+    num_seqs: int = 32
+    context_len: tuple[int, int] = (200, 500)
+    num_adapters: int = 8  # 0: base model only
+    rank: int = 16
+    targets: str = "attention"
+    steps: int = 16  # timed decode steps per scenario and round
+    profiled_steps: int = 3
+    repeats: int = 2  # alternating rounds of base / adapters; the best step is kept
+    # Also time steps alternating between the CPU decode kernel and the gather + SDPA
+    # path (kernels/cpu_decode.py) on the same running batch.
+    compare_gather: bool = False
+    seed: int = 0
+    output: Path | None = None
+
+
+# ---------------------------------------------------------------------------- machine
+
+
+def _best_seconds(fn: Callable[[], object], iters: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(iters):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def matmul_peak_gflops(n: int = 2048, iters: int = 5) -> float:
+    a = torch.randn(n, n)
+    b = torch.randn(n, n)
+    out = torch.empty(n, n)
+    seconds = _best_seconds(lambda: torch.mm(a, b, out=out), iters)
+    return 2 * n**3 / seconds / 1e9
+
+
+def memory_bandwidth_gbs(mib: int = 512, iters: int = 5) -> dict[str, float]:
+    """copy: bytes read + written per second; read: a sum's bytes read per second."""
+    src = torch.ones(mib * 2**20 // 4)
+    dst = torch.empty_like(src)
+    nbytes = src.numel() * 4
+    copy_s = _best_seconds(lambda: dst.copy_(src), iters)
+    read_s = _best_seconds(lambda: src.sum(), iters)
+    return {"copy": 2 * nbytes / copy_s / 1e9, "read": nbytes / read_s / 1e9}
+
+
+# ---------------------------------------------------------------------------- breakdown
+
+# Scopes the profiled steps are wrapped in (see _scoped); ops outside every scope are
+# classified by name.
+_SCOPES = ("prepare_inputs", "lora", "attention", "norms", "rope", "lm_head", "sampling")
+_KERNEL_SCOPE = "decode_kernel"
+
+
+def _op_part(op: str, scope: str | None) -> str:
+    if scope == "attention":
+        if "index_copy" in op:
+            return "kv_write"
+        if op in ("aten::index_select", "aten::index", "aten::gather", "aten::take"):
+            return "kv_gather"
+        return "decode_attention"
+    if scope is not None:
+        return scope
+    if "linear" in op or op in ("aten::addmm", "aten::mm", "aten::matmul"):
+        return "linear"
+    if op in ("aten::silu", "aten::silu_", "aten::mul", "aten::mul_") or "silu" in op:
+        return "activation"
+    if op in ("aten::add", "aten::add_"):
+        return "residual"
+    if op in ("aten::embedding", "aten::index_select"):
+        return "embedding"
+    return "other_ops"
+
+
+@contextmanager
+def _scoped(core: Any) -> Iterator[None]:
+    """Wrap the engine's parts in profiler scopes (instance and module attributes),
+    restoring them afterwards."""
+    import engine.models.llama as llama
+    from engine.lora.layers import LoRAGroup
+    from engine.model_runner import ModelRunner
+
+    def scope(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            with torch.profiler.record_function(name):
+                return fn(*args, **kwargs)
+
+        return wrapped
+
+    patches: list[tuple[Any, str, Any]] = [
+        (ModelRunner, "prepare_inputs", ModelRunner.prepare_inputs),
+        (LoRAGroup, "apply", LoRAGroup.apply),
+        (llama, "paged_attention", llama.paged_attention),
+        (llama.RMSNorm, "forward", llama.RMSNorm.forward),
+        (llama.LlamaAttention, "rope_qk", llama.LlamaAttention.rope_qk),
+        (core.runner.model, "compute_logits", core.runner.model.compute_logits),
+        (core, "sampler", core.sampler),
+    ]
+    names = ["prepare_inputs", "lora", "attention", "norms", "rope", "lm_head", "sampling"]
+    try:  # trees without the CPU decode kernel profile without it
+        from kernels import cpu_decode
+
+        patches.append(
+            (cpu_decode, "paged_decode_attention", cpu_decode.paged_decode_attention)
+        )
+        names.append(_KERNEL_SCOPE)
+    except ImportError:
+        pass
+    for (owner, attr, original), name in zip(patches, names, strict=True):
+        setattr(owner, attr, scope(name, original))
+    try:
+        yield
+    finally:
+        for owner, attr, original in patches:
+            setattr(owner, attr, original)
+
+
+def profile_parts(core: Any, steps: int) -> dict[str, float]:
+    """Mean op self time per step by part, in seconds."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with _scoped(core), profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            core.step()
+    parts: dict[str, float] = {}
+    for event in prof.events():
+        if event.name == _KERNEL_SCOPE:  # a C call, not an op: its own time counts
+            parts["decode_attention"] = (
+                parts.get("decode_attention", 0.0) + event.self_cpu_time_total / 1e6
+            )
+            continue
+        if event.name in _SCOPES or event.name.startswith("ProfilerStep"):
+            continue
+        parent = event.cpu_parent
+        # Only outermost ops: a nested op's time is inside its parent op's.
+        if parent is not None and parent.name not in _SCOPES:
+            continue
+        part = _op_part(event.name, None if parent is None else parent.name)
+        parts[part] = parts.get(part, 0.0) + event.cpu_time_total / 1e6
+    return {k: v / steps for k, v in sorted(parts.items(), key=lambda kv: -kv[1])}
+
+
+# ---------------------------------------------------------------------------- the step
+
+
+def _requests(
+    tag: str, prompts: list[list[int]], adapters: list[str | None], max_tokens: int
+) -> list[Any]:
+    from engine.request import EngineRequest, SamplingParams
+
+    return [
+        EngineRequest(
+            request_id=f"{tag}-{i}",
+            prompt_token_ids=tuple(p),
+            sampling=SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
+            adapter=a,
+            salt=tag,
+        )
+        for i, (p, a) in enumerate(zip(prompts, adapters, strict=True))
+    ]
+
+
+def _prefill(core: Any, requests: list[Any]) -> None:
+    """Queue the requests and step until every one is decoding."""
+    for r in requests:
+        core.add_request(r)
+    started: set[str] = set()
+    while len(started) < len(requests):
+        for out in core.step().outputs:
+            started.add(out.request_id)
+
+
+def step_model(core: Any, adapters: list[str | None], num_adapters: int) -> dict[str, float]:
+    """Bytes and flops one decode step over the running requests must spend."""
+    runner = core.runner
+    cfg = runner.model_config
+    model_cls = type(runner.model)
+    itemsize = torch.empty((), dtype=runner.dtype).element_size()
+    running = list(core.scheduler.running)
+    num_seqs = len(running)
+    context = sum(r.num_tokens for r in running)
+    linear_params = sum(fin * fout for fin, fout in model_cls.linear_shapes(cfg).values())
+    linear_params = linear_params * cfg.num_layers + cfg.vocab_size * cfg.hidden_size
+    # Every parameter read once (a tied embedding matrix: as the output projection).
+    weight_bytes = model_cls.count_parameters(cfg) * itemsize
+    lora_bytes = 0.0
+    lora_flops = 0.0
+    if runner.lora is not None and num_adapters:
+        for by_name in runner.lora.groups:
+            for group in by_name.values():
+                for packed in group.packed:
+                    if packed is not None:
+                        n = packed.a_t.numel() + packed.b.numel()
+                        lora_bytes += n * itemsize
+                        lora_flops += 2 * n * num_seqs / num_adapters
+    kv_bytes = context * runner.kv_bytes_per_token
+    attn_flops = 4 * context * cfg.num_layers * cfg.num_heads * cfg.head_dim
+    return {
+        "num_seqs": num_seqs,
+        "mean_context": context / max(num_seqs, 1),
+        "weight_bytes": weight_bytes,
+        "lora_bytes": lora_bytes,
+        "kv_read_bytes": kv_bytes,
+        "flops": 2 * num_seqs * linear_params + attn_flops + lora_flops,
+        "attention_flops": attn_flops,
+    }
+
+
+def compare_gather(core: Any, steps: int) -> dict[str, float]:
+    """Median step time with decode attention on the kernel and on the gather path,
+    alternating step by step (the order flips every pair)."""
+    from kernels import cpu_decode
+
+    real = cpu_decode.available
+    times: dict[str, list[float]] = {"kernel": [], "gather": []}
+    try:
+        for i in range(steps):
+            for label in ("kernel", "gather") if i % 2 == 0 else ("gather", "kernel"):
+                cpu_decode.available = real if label == "kernel" else _never
+                start = time.perf_counter()
+                core.step()
+                times[label].append(time.perf_counter() - start)
+    finally:
+        cpu_decode.available = real
+    return {k: round(statistics.median(v) * 1000, 2) for k, v in times.items()}
+
+
+def _never(device: torch.device, dtype: torch.dtype) -> bool:
+    return False
+
+
+def run_roofline(opts: RooflineOptions) -> dict[str, Any]:
+    from bench.lora import make_adapters
+    from engine.engine_core import EngineCore
+
+    peak = matmul_peak_gflops()
+    bandwidth = memory_bandwidth_gbs()
+    bw = max(bandwidth.values())
+    print_row("machine", {"matmul_gflops": round(peak, 1), **{
+        f"{k}_gb_s": round(v, 2) for k, v in bandwidth.items()}})
+
+    model_dir = resolve_model(opts.model, default_data_dir())
+    mc = load_model_config(model_dir)
+    core = EngineCore(
+        EngineConfig(
+            model=str(model_dir),
+            max_num_seqs=opts.num_seqs,
+            max_loras=max(opts.num_adapters, 1),
+            max_lora_rank=max(opts.rank, 16),
+            enable_prefix_caching=False,
+        )
+    )
+    adapter_names: list[str] = []
+    if opts.num_adapters:
+        paths = make_adapters(
+            Path("bench/results/adapters"), mc, opts.num_adapters, rank=opts.rank,
+            targets=opts.targets,
+        )
+        for name, path in paths.items():
+            core.add_adapter(name, path)
+        adapter_names = list(paths)
+    rng = random.Random(opts.seed)
+    low = min(1000, mc.vocab_size // 4)
+    prompts = [
+        [rng.randrange(low, mc.vocab_size) for _ in range(rng.randint(*opts.context_len))]
+        for _ in range(opts.num_seqs)
+    ]
+    scenarios: dict[str, list[str | None]] = {"base": [None] * opts.num_seqs}
+    if adapter_names:
+        scenarios["lora"] = [adapter_names[i % len(adapter_names)] for i in range(opts.num_seqs)]
+    # Enough that none finishes while the others' prefills run; all are aborted after.
+    max_tokens = 4 * (opts.steps * (3 if opts.compare_gather else 1) + opts.profiled_steps) + 64
+    runs: dict[str, list[float]] = {name: [] for name in scenarios}
+    results: dict[str, dict[str, Any]] = {}
+    for round_index in range(opts.repeats):
+        for name, adapters in scenarios.items():
+            tag = f"{name}{round_index}"
+            requests = _requests(tag, prompts, adapters, max_tokens)
+            _prefill(core, requests)
+            core.step()  # the first all-decode step after the prefills
+            times: list[float] = []
+            for _ in range(opts.steps):
+                start = time.perf_counter()
+                core.step()
+                times.append(time.perf_counter() - start)
+            step_s = statistics.median(times)
+            runs[name].append(step_s)
+            model = step_model(core, adapters, len(set(a for a in adapters if a)))
+            parts = profile_parts(core, opts.profiled_steps)
+            compared = compare_gather(core, opts.steps) if opts.compare_gather else None
+            for r in requests:
+                core.abort_request(r.request_id)
+            if step_s > min(runs[name]) and name in results:
+                continue
+            ops = sum(parts.values())
+            parts["python"] = max(step_s - ops, 0.0)
+            moved = model["weight_bytes"] + model["lora_bytes"] + model["kv_read_bytes"]
+            memory_s = moved / (bw * 1e9)
+            compute_s = model["flops"] / (peak * 1e9)
+            bound_s = max(memory_s, compute_s)
+            results[name] = {
+                "step_ms": round(step_s * 1000, 2),
+                "parts_ms": {k: round(v * 1000, 2) for k, v in parts.items()},
+                "parts_share": {k: round(v / step_s, 3) for k, v in parts.items()},
+                "model": {k: round(v, 1) for k, v in model.items()},
+                "memory_bound_ms": round(memory_s * 1000, 2),
+                "compute_bound_ms": round(compute_s * 1000, 2),
+                "bound": "memory" if memory_s >= compute_s else "compute",
+                "roofline_fraction": round(bound_s / step_s, 3),
+                "kv_ideal_ms": round(model["kv_read_bytes"] / (bw * 1e9) * 1000, 2),
+            }
+            if compared is not None:
+                results[name]["kernel_vs_gather_step_ms"] = compared
+            print_row(f"{name} #{round_index}", {
+                "step_ms": round(step_s * 1000, 2),
+                "roofline_fraction": results[name]["roofline_fraction"],
+            })
+    report: dict[str, Any] = {
+        "benchmark": "roofline",
+        "machine": machine_description(),
+        "options": {
+            "num_seqs": opts.num_seqs, "context_len": list(opts.context_len),
+            "num_adapters": opts.num_adapters, "rank": opts.rank, "targets": opts.targets,
+            "steps": opts.steps, "repeats": opts.repeats, "threads": torch.get_num_threads(),
+        },
+        "started_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "matmul_peak_gflops": round(peak, 1),
+        "bandwidth_gb_s": {k: round(v, 2) for k, v in bandwidth.items()},
+        "step_ms_runs": {k: [round(v * 1000, 2) for v in vs] for k, vs in runs.items()},
+        "decode": results,
+    }
+    for name, result in results.items():
+        print(f"{name}: {json.dumps(result['parts_ms'])}", flush=True)
+    if opts.output is not None:
+        opts.output.parent.mkdir(parents=True, exist_ok=True)
+        opts.output.write_text(json.dumps(report, indent=2))
+    return report

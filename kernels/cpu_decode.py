@@ -1,0 +1,259 @@
+"""Paged decode attention on the CPU, reading K/V straight from the cache's blocks.
+
+The torch path (`reference.paged_decode_attention`) gathers every sequence's blocks into
+a contiguous copy per layer and step, then runs SDPA over it: the K/V bytes are read,
+written and read again. This kernel reads each cached K/V row once, in place, through
+the block table, with the softmax over the exact context (no padding, no mask).
+
+NOTE: a small C function compiled once per machine with the system C compiler (cached
+under ~/.cache/loraplex, keyed by the source and flags) and called through ctypes, which
+releases the GIL for the call. It is parallel over (sequence, KV head) with OpenMP,
+linking the `libgomp.so.1` torch itself loads, so both share one thread pool. Without a
+compiler, or when the build fails, `available()` is False and callers keep the torch
+path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("loraplex.engine")
+
+_SOURCE = r"""
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+/* The dot product in 8 independent lanes: vectorized without reassociating a sum. */
+static inline float dot(const float *restrict a, const float *restrict b, int64_t n) {
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t d = 0;
+    for (; d + 8 <= n; d += 8)
+        for (int k = 0; k < 8; k++) acc[k] += a[d + k] * b[d + k];
+    float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+    for (; d < n; d++) s += a[d] * b[d];
+    return s;
+}
+
+typedef struct {
+    const float *query;
+    int64_t q_stride;
+    const float *key_cache;
+    const float *value_cache;
+    const int64_t *block_tables;
+    int64_t table_stride;
+    const int64_t *context_lens;
+    float *out;
+    int64_t num_heads, num_kv_heads, head_dim, block_size;
+    float scale;
+} Args;
+
+/* Sequence s, KV heads [h0, h1): every cached row is read once, in place, and all the
+   query heads of those KV heads are done with it. scores: [(h1 - h0) * groups, len]. */
+static void attend(const Args *a, int64_t s, int64_t h0, int64_t h1, float *restrict scores) {
+    const int64_t groups = a->num_heads / a->num_kv_heads;
+    const int64_t hd = a->head_dim, bs = a->block_size;
+    const int64_t row = a->num_kv_heads * hd; /* one token slot of the cache */
+    const int64_t len = a->context_lens[s];
+    const int64_t heads = (h1 - h0) * groups;
+    const int64_t *table = a->block_tables + s * a->table_stride;
+    const float *q = a->query + s * a->q_stride + h0 * groups * hd;
+    float *restrict o = a->out + (s * a->num_heads + h0 * groups) * hd;
+    /* Block by block: a block's slots are consecutive rows of the cache. */
+    for (int64_t t0 = 0; t0 < len; t0 += bs) {
+        const int64_t n = len - t0 < bs ? len - t0 : bs;
+        const float *k = a->key_cache + table[t0 / bs] * bs * row + h0 * hd;
+        for (int64_t i = 0; i < n; i++)
+            for (int64_t j = 0; j < heads; j++)
+                scores[j * len + t0 + i] = dot(q + j * hd, k + i * row + (j / groups) * hd, hd)
+                                           * a->scale;
+    }
+    for (int64_t j = 0; j < heads; j++) {
+        float *p = scores + j * len;
+        float m = -INFINITY;
+        for (int64_t t = 0; t < len; t++) m = p[t] > m ? p[t] : m;
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < len; t++) {
+            p[t] = expf(p[t] - m);
+            sum += p[t];
+        }
+        const float inv = 1.0f / sum;
+        for (int64_t t = 0; t < len; t++) p[t] *= inv;
+    }
+    for (int64_t i = 0; i < heads * hd; i++) o[i] = 0.0f;
+    for (int64_t t0 = 0; t0 < len; t0 += bs) {
+        const int64_t n = len - t0 < bs ? len - t0 : bs;
+        const float *v = a->value_cache + table[t0 / bs] * bs * row + h0 * hd;
+        for (int64_t i = 0; i < n; i++)
+            for (int64_t j = 0; j < heads; j++) {
+                const float p = scores[j * len + t0 + i];
+                const float *restrict vi = v + i * row + (j / groups) * hd;
+                float *restrict oj = o + j * hd;
+                for (int64_t d = 0; d < hd; d++) oj[d] += p * vi[d];
+            }
+    }
+}
+
+/* query [S, H, D] (rows q_stride apart, heads contiguous); key/value cache
+   [NB, BS, KVH, D] contiguous; block_tables [S, >= ceil(len / BS)] rows table_stride
+   apart; context_lens [S], each <= max_len; out [S, H, D] contiguous. Query head h
+   reads KV head h / (H / KVH). */
+int paged_decode_attention_f32(
+    const float *query, int64_t q_stride, const float *key_cache, const float *value_cache,
+    const int64_t *block_tables, int64_t table_stride, const int64_t *context_lens,
+    float *out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+    int64_t head_dim, int64_t block_size, float scale, int64_t max_len, int64_t num_threads) {
+    const Args a = {query, q_stride, key_cache, value_cache, block_tables, table_stride,
+                    context_lens, out, num_heads, num_kv_heads, head_dim, block_size, scale};
+    /* Whole sequences per work item when there are enough of them to share out; else
+       one KV head each, so that a few long sequences still use every thread. */
+    const int64_t split = num_seqs >= 4 * num_threads ? 1 : num_kv_heads;
+    const int64_t per_item = num_kv_heads / split;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads)
+    {
+        const int64_t width = max_len > 0 ? max_len : 1;
+        float *scores = (float *)malloc(sizeof(float) * (num_heads / split) * width);
+        if (scores == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < num_seqs * split; item++) {
+            const int64_t s = item / split, h0 = (item % split) * per_item;
+            if (scores != NULL) attend(&a, s, h0, h0 + per_item, scores);
+        }
+        free(scores);
+    }
+    return failed;
+}
+"""
+
+_FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC"]
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_tried = False
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("LORAPLEX_KERNEL_CACHE")
+    return Path(root) if root else Path.home() / ".cache" / "loraplex" / "kernels"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _build() -> ctypes.CDLL | None:
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if compiler is None:
+        log.info("no C compiler: CPU decode attention stays on the torch path")
+        return None
+    # -march=native: a build is only valid on CPUs with the same instruction sets.
+    key = hashlib.sha256(
+        "\n".join([_SOURCE, compiler, *_FLAGS, platform.machine(), _cpu_flags()]).encode()
+    ).hexdigest()[:16]
+    target = _cache_dir() / f"paged_decode_{key}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            src = Path(tmp) / "paged_decode.c"
+            src.write_text(_SOURCE)
+            built = Path(tmp) / target.name
+            result = subprocess.run(
+                [compiler, *_FLAGS, str(src), "-o", str(built), "-lm"],
+                capture_output=True, text=True, timeout=120, check=False,
+            )
+            if result.returncode != 0:
+                log.warning("CPU decode attention kernel did not build: %s", result.stderr[-2000:])
+                return None
+            os.replace(built, target)  # atomic: a concurrent build never sees half a file
+    lib = ctypes.CDLL(str(target))
+    fn = lib.paged_decode_attention_f32
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64,
+                   ctypes.c_float, i64, i64]
+    fn.restype = ctypes.c_int
+    return lib
+
+
+def _library() -> ctypes.CDLL | None:
+    global _lib, _tried
+    if not _tried:
+        with _lock:
+            if not _tried:
+                if os.environ.get("LORAPLEX_CPU_DECODE_KERNEL", "1") != "0":
+                    try:
+                        _lib = _build()
+                    except (OSError, subprocess.SubprocessError) as exc:
+                        log.warning("CPU decode attention kernel unavailable: %s", exc)
+                        _lib = None
+                _tried = True
+    return _lib
+
+
+def available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether decode attention on `device`/`dtype` runs this kernel (builds it once)."""
+    return device.type == "cpu" and dtype == torch.float32 and _library() is not None
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    max_context_len: int,
+    scale: float,
+) -> torch.Tensor:
+    """Same contract as `reference.paged_decode_attention`, without the gather.
+
+    query [S, H, D] float32 (heads and head_dim contiguous); key/value cache [NB, BS, KVH, D]
+    contiguous; block_tables [S, M] long (rows contiguous); context_lens [S] long, each in
+    [1, M * BS] and at most max_context_len. Returns [S, H, D].
+    """
+    lib = _library()
+    assert lib is not None, "kernel not available: check available() first"
+    num_seqs, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, cache_head_dim = key_cache.shape
+    assert cache_head_dim == head_dim and num_heads % num_kv_heads == 0, (
+        query.shape, key_cache.shape)
+    assert query.dtype == key_cache.dtype == value_cache.dtype == torch.float32
+    assert query.stride(2) == 1 and query.stride(1) == head_dim, query.stride()
+    assert key_cache.is_contiguous() and value_cache.is_contiguous()
+    assert value_cache.shape == key_cache.shape
+    assert block_tables.dtype == context_lens.dtype == torch.long
+    assert block_tables.shape[0] == context_lens.shape[0] == num_seqs
+    assert block_tables.stride(1) == 1 and context_lens.is_contiguous()
+    assert max_context_len <= block_tables.shape[1] * block_size
+    out = torch.empty(num_seqs, num_heads, head_dim, dtype=query.dtype)
+    if num_seqs == 0:
+        return out
+    failed = lib.paged_decode_attention_f32(
+        query.data_ptr(), query.stride(0), key_cache.data_ptr(), value_cache.data_ptr(),
+        block_tables.data_ptr(), block_tables.stride(0), context_lens.data_ptr(),
+        out.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale,
+        max_context_len, torch.get_num_threads(),
+    )
+    if failed:
+        raise MemoryError("paged decode attention: no memory for its score buffers")
+    return out
