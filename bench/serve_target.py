@@ -1,0 +1,104 @@
+"""The server `loraplex bench serve` loads: one at `--base-url`, or a `loraplex serve`
+it starts with random rank-16 PEFT adapters (and whose pid it keeps, for its RSS)."""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from bench.lora import make_adapters
+from bench.serve_client import Target
+from bench.serve_options import ServeOptions
+from bench.server import free_port, wait_ready
+from bench.throughput import model_name
+from engine.config import default_data_dir
+from engine.model_loader import ModelLoadError, load_model_config, resolve_model
+
+ADAPTER_RANK = 16
+ADAPTER_TARGETS = "attention"
+
+
+@dataclass(frozen=True, slots=True)
+class StartedServer:
+    base_url: str
+    pid: int
+
+
+@dataclass(frozen=True, slots=True)
+class LiveTarget:
+    target: Target
+    pid: int | None  # the server's process when started here
+    vocab_size: int | None  # None: unknown, only a dataset's prompts can be sent
+
+
+@contextlib.contextmanager
+def open_target(opts: ServeOptions) -> Iterator[LiveTarget]:
+    """The server at `--base-url`, or one started here for as long as the block runs."""
+    headers = {"Authorization": f"Bearer {opts.api_key}"} if opts.api_key else {}
+    if opts.base_url is not None:
+        base_url = opts.base_url.rstrip("/")
+        model = opts.model or _first_model(base_url, headers)
+        target = Target(base_url, model, opts.adapter_models, headers, opts.ignore_eos)
+        yield LiveTarget(target, None, opts.vocab_size or _local_vocab_size(opts.model))
+        return
+    model = opts.model or "default"
+    model_dir = resolve_model(model, default_data_dir())
+    config = load_model_config(model_dir)
+    # The bundled model's adapters are the other LoRA benchmarks' too; another model's
+    # go to a folder of their own, since their shapes differ.
+    root = opts.adapters_root if model == "default" else opts.adapters_root / model_dir.name
+    adapters = make_adapters(root, config, opts.num_adapters, rank=ADAPTER_RANK,
+                             targets=ADAPTER_TARGETS)
+    lora_flags = [flag for name, path in adapters.items() for flag in ("--lora", f"{name}={path}")]
+    with started_server(["--model", model, *lora_flags, *opts.serve_args]) as server:
+        target = Target(server.base_url, model_name(server.base_url), {}, headers,
+                        opts.ignore_eos)
+        yield LiveTarget(target, server.pid, opts.vocab_size or config.vocab_size)
+
+
+@contextlib.contextmanager
+def started_server(serve_args: list[str], *, timeout_s: float = 600.0) -> Iterator[StartedServer]:
+    """A `loraplex serve --no-auth` started with `serve_args`, stopped at the end. Its log
+    (a line per request) goes to a file, quoted if the server fails to start."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "app.cli", "serve", "--no-auth", "--port", str(port),
+           *serve_args]
+    base_url = f"http://127.0.0.1:{port}"
+    with tempfile.TemporaryDirectory(prefix="loraplex-bench-serve-") as tmp:
+        log_path = Path(tmp) / "serve.log"
+        with log_path.open("wb") as log:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            wait_ready(proc, base_url, timeout_s, cmd=cmd, log=log_path)
+            yield StartedServer(base_url, proc.pid)
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def _first_model(base_url: str, headers: dict[str, str]) -> str:
+    response = httpx.get(f"{base_url}/v1/models", headers=headers, timeout=30)
+    response.raise_for_status()
+    return str(response.json()["data"][0]["id"])
+
+
+def _local_vocab_size(model: str | None) -> int | None:
+    """The vocabulary of `model` when it names a local model directory (or the bundled
+    "default"); None otherwise."""
+    if model is None:
+        return None
+    try:
+        return load_model_config(resolve_model(model, default_data_dir())).vocab_size
+    except (ModelLoadError, OSError, ValueError):
+        return None
