@@ -5,8 +5,12 @@ keeps the chart's templates simple.
 
 Supported: `{{ }}` with `{{-` / `-}}` trimming and `/* */` comments; `if` / `else` /
 `end`; `range PIPELINE` (rebinds `.`); fields of `.`, `$` and `.Values`, `.Release`,
-`.Chart`; string, number and boolean literals; pipelines `|` through `quote`,
-`toYaml`, `toJson`, `nindent`, `indent`, `default`, `int`, `not`.
+`.Chart`; string, number and boolean literals; `( )` around a pipeline used as an
+argument; pipelines `|` through `quote`, `toYaml`, `toJson`, `nindent`, `indent`,
+`default`, `int`, `not`, `and`, `or` (Go's: the deciding argument, evaluated left to
+right only as far as needed), `eq`, `ne` (two strings, numbers or booleans; anything else
+is refused, where Go would compare or fail), `print` (fmt.Sprint) and Helm's `fail`
+(ChartFailure, as `helm template` fails with the message).
 
 NOTE: like Helm, numbers in values are float64 (values pass through JSON): `{{ 1000000 }}`
 prints `1e+06`, so templates must pipe numbers that can grow through `int`. A missing
@@ -195,6 +199,40 @@ def _quote(value: Any) -> str:
     return json.dumps(_to_text(value))
 
 
+class ChartFailure(ValueError):
+    """A template called `fail`: the values are wrong in a way the chart explains."""
+
+
+def _fail(message: Any) -> Any:
+    raise ChartFailure(_to_text(message))
+
+
+def _comparable(value: Any) -> str:
+    if isinstance(value, bool):
+        return "bool"
+    if isinstance(value, int | float):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    raise ValueError(f"eq / ne of a {type(value).__name__} is outside the subset")
+
+
+def _eq(left: Any, right: Any) -> bool:
+    if _comparable(left) != _comparable(right):
+        raise ValueError(f"eq / ne of {left!r} and {right!r}: incompatible types")
+    return bool(left == right)
+
+
+def _print(*values: Any) -> str:
+    """fmt.Sprint: a space between two operands only when neither is a string."""
+    out: list[str] = []
+    for index, value in enumerate(values):
+        if index and not isinstance(value, str) and not isinstance(values[index - 1], str):
+            out.append(" ")
+        out.append(_to_text(value))
+    return "".join(out)
+
+
 _FUNCTIONS: dict[str, Callable[..., Any]] = {
     "quote": _quote,
     "toYaml": _to_yaml,
@@ -204,15 +242,22 @@ _FUNCTIONS: dict[str, Callable[..., Any]] = {
     "default": _default,
     "int": lambda v: int(float(v)) if v is not None and v != "" else 0,
     "not": lambda v: not _truthy(v),
+    "eq": _eq,
+    "ne": lambda left, right: not _eq(left, right),
+    "print": _print,
+    "fail": _fail,
 }
+# Go evaluates these arguments lazily: `and .a .a.b` never looks at .a.b when .a is empty.
+_LAZY = {"and": False, "or": True}  # the truthiness that decides
 
 
 def _split(text: str, sep: str) -> list[str]:
-    """Split on `sep` outside double-quoted strings."""
+    """Split on `sep` outside double-quoted strings and parentheses."""
     parts: list[str] = []
     current: list[str] = []
     quoted = False
     escaped = False
+    depth = 0
     for char in text:
         if quoted:
             current.append(char)
@@ -226,15 +271,23 @@ def _split(text: str, sep: str) -> list[str]:
         if char == '"':
             quoted = True
             current.append(char)
-        elif char == "(" or char == ")":
-            raise ValueError(f"parentheses are outside the subset: {text!r}")
-        elif (sep == " " and char.isspace()) or char == sep:
+        elif char == "(":
+            depth += 1
+            current.append(char)
+        elif char == ")":
+            depth -= 1
+            if depth < 0:
+                raise ValueError(f"unbalanced parentheses in {text!r}")
+            current.append(char)
+        elif depth == 0 and ((sep == " " and char.isspace()) or char == sep):
             parts.append("".join(current))
             current = []
         else:
             current.append(char)
     if quoted:
         raise ValueError(f"unterminated string in {text!r}")
+    if depth:
+        raise ValueError(f"unbalanced parentheses in {text!r}")
     parts.append("".join(current))
     return [p.strip() for p in parts if p.strip()] if sep == " " else [p.strip() for p in parts]
 
@@ -257,6 +310,10 @@ class _Scope:
 
 
 def _term(token: str, scope: _Scope) -> Any:
+    if token.startswith("("):
+        if not token.endswith(")"):
+            raise ValueError(f"fields of a parenthesized value are outside the subset: {token!r}")
+        return _pipeline(token[1:-1], scope)
     if token.startswith('"'):
         return json.loads(token)
     if token in {"true", "false"}:
@@ -281,6 +338,17 @@ def _command(text: str, scope: _Scope, piped: tuple[Any] | tuple[()]) -> Any:
     if not tokens:
         raise ValueError("empty command in a pipeline")
     name = tokens[0]
+    if name in _LAZY:
+        operands = tokens[1:]
+        count = len(operands) + len(piped)
+        if count < 2:
+            raise ValueError(f"{name} needs two arguments or more: {text!r}")
+        value: Any = None
+        for index in range(count):
+            value = _term(operands[index], scope) if index < len(operands) else next(iter(piped))
+            if index < count - 1 and _truthy(value) == _LAZY[name]:
+                break
+        return value
     if name in _FUNCTIONS:
         args = [_term(t, scope) for t in tokens[1:]] + list(piped)
         return _FUNCTIONS[name](*args)

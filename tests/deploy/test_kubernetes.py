@@ -14,10 +14,9 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from tests.deploy.helm_render import manifests, merge_values, render_chart
+from tests.deploy.helm_render import ChartFailure, manifests, merge_values, render_chart
 from tests.deploy.support import (
     CHART,
-    DEPLOY,
     K8S_MANIFESTS,
     WORKER_PORT,
     cli_problems,
@@ -30,36 +29,7 @@ from tests.deploy.support import (
     project_image,
     pyproject,
 )
-
-EXAMPLE_VALUES = DEPLOY / "helm" / "values-mig.example.yaml"
-
-# Every switch of the chart turned away from its default, to render each branch.
-TOGGLED_VALUES: dict[str, Any] = {
-    "image": {"repository": "registry.example.com/ml/loraplex"},
-    "imagePullSecrets": [{"name": "registry"}],
-    "secrets": {
-        "create": True, "databaseUrl": "postgresql://u:p@db:5432/loraplex",
-        "redisUrl": "redis://redis:6379/0", "adminKey": "a" * 32, "secretKey": "s" * 48,
-        "workerToken": "w" * 32,
-    },
-    "persistence": {"existingClaim": "adapters", "storageClass": "nfs"},
-    "gateway": {
-        "nodeSelector": {"pool": "cpu"},
-        "tolerations": [{"key": "cpu-only", "operator": "Exists", "effect": "NoSchedule"}],
-        "autoscaling": {"requestsPerSecond": "50"},
-    },
-    "workers": [
-        {"name": "h200-a", "migProfile": "3g.71gb", "node": "node-a", "replicas": 2,
-         "tenants": ["acme"], "isolation": "dedicated",
-         "dedicatedTenants": ["ten_0123456789abcdef"],
-         "engineArgs": ["--max-loras", "4", "--kv-cache-tokens", "2879008"]},
-        {"name": "whole", "engineArgs": ["--dtype", "float16"]},
-    ],
-}
-NO_AUTOSCALING: dict[str, Any] = {
-    "gateway": {"autoscaling": {"enabled": False}, "replicas": 3},
-    "persistence": {"enabled": False},
-}
+from tests.deploy.variants import variants
 
 
 def _render(values: dict[str, Any] | None = None) -> list[dict[str, Any]]:
@@ -70,16 +40,7 @@ def _key(doc: dict[str, Any]) -> tuple[str, str]:
     return doc["kind"], doc["metadata"]["name"]
 
 
-def _variants() -> dict[str, list[dict[str, Any]]]:
-    return {
-        "k8s/loraplex.yaml": load_yaml_all(K8S_MANIFESTS),
-        "values-mig.example.yaml": _render(load_yaml(EXAMPLE_VALUES)),
-        "toggled": _render(TOGGLED_VALUES),
-        "no-autoscaling": _render(NO_AUTOSCALING),
-    }
-
-
-VARIANTS = _variants()
+VARIANTS = variants()
 
 
 @pytest.fixture(params=sorted(VARIANTS))
@@ -170,10 +131,52 @@ def test_the_renderer_refuses_what_it_does_not_know(tmp_path: Path) -> None:
     # Like Helm: an int in values is a float64 and prints in exponent form without `int`.
     assert manifests(render_chart(chart)) == [{"a": 2.879008e06, "b": 2879008}]
     for bad in ("{{ .Values.nested.typo }}", "{{ include \"x\" . }}", "{{ if .Values.big }}",
-                "{{ .Values.big | sha256sum }}", "{{ .Values.nested.a.b }}"):
+                "{{ .Values.big | sha256sum }}", "{{ .Values.nested.a.b }}",
+                "{{ eq .Values.big \"2879008\" }}", "{{ eq .Values.nested .Values.nested }}",
+                "{{ (.Values.nested).a }}", "{{ not (.Values.big }}", "{{ and .Values.big }}"):
         template.write_text(f"a: {bad}\n")
         with pytest.raises(ValueError):
             render_chart(chart)
+
+
+@pytest.mark.parametrize(
+    ("template", "rendered"),
+    [
+        # Go's and / or give the deciding argument, and stop evaluating there.
+        ('{{ and .Values.big "" "x" }}', ""),
+        ('{{ and .Values.big "x" }}', "x"),
+        ('{{ or "" .Values.big }}', "2.879008e+06"),  # a float64, as Helm prints it
+        ("{{ or .Values.big .Values.missing.field | int }}", "2879008"),
+        ("{{ if and .Values.missing .Values.missing.field }}yes{{ else }}no{{ end }}", "no"),
+        ('{{ if eq .Values.word "keda" }}yes{{ else }}no{{ end }}', "yes"),
+        ('{{ if ne .Values.word "keda" }}yes{{ else }}no{{ end }}', "no"),
+        ("{{ not (and .Values.word (not .Values.big)) }}", "true"),
+        ("{{ .Values.big | int | eq 2879008 }}", "true"),
+        # fmt.Sprint: spaces only between two operands that are not strings.
+        ('{{ print "a" 1 2 "b" .Values.word }}', "a1 2bkeda"),
+        ('{{ (print "x" "y") | quote }}', '"xy"'),
+    ],
+)
+def test_the_renderer_follows_go_templates(tmp_path: Path, template: str, rendered: str) -> None:
+    chart = tmp_path / "chart"
+    (chart / "templates").mkdir(parents=True)
+    (chart / "Chart.yaml").write_text("apiVersion: v2\nname: c\nversion: 0.1.0\n")
+    (chart / "values.yaml").write_text("big: 2879008\nword: keda\n")
+    (chart / "templates" / "x.txt").write_text(template)
+    (text,) = [f.text for f in render_chart(chart)]
+    assert text == rendered
+
+
+def test_fail_stops_the_render_with_its_message(tmp_path: Path) -> None:
+    chart = tmp_path / "chart"
+    (chart / "templates").mkdir(parents=True)
+    (chart / "Chart.yaml").write_text("apiVersion: v2\nname: c\nversion: 0.1.0\n")
+    (chart / "values.yaml").write_text("name: gpu0\n")
+    (chart / "templates" / "x.yaml").write_text(
+        '{{ if .Values.name }}{{ fail (print "workers " .Values.name ": no") }}{{ end }}\n'
+    )
+    with pytest.raises(ChartFailure, match=r"^workers gpu0: no$"):
+        render_chart(chart)
 
 
 # ----------------------------------------------------------------------- every variant
@@ -256,10 +259,12 @@ async def test_probe_paths_answer_on_the_apps_they_probe(docs: list[dict[str, An
 
 
 def test_grace_period_outlasts_prestop_and_drain(docs: list[dict[str, Any]]) -> None:
-    drain = _drain_timeout_s(docs)
     for deployment in _objects(docs, "Deployment"):
         spec = deployment["spec"]["template"]["spec"]
         (container,) = spec["containers"]
+        # A container's own LORAPLEX_DRAIN_TIMEOUT_S wins over the ConfigMap's.
+        env = {e["name"]: e.get("value") for e in container.get("env", [])}
+        drain = float(env.get("LORAPLEX_DRAIN_TIMEOUT_S") or _drain_timeout_s(docs))
         command = container["lifecycle"]["preStop"]["exec"]["command"]
         assert command[0] == "sleep"
         pre_stop = float(command[1])
@@ -351,12 +356,30 @@ def test_selectors_and_references_point_at_the_right_objects(
     ):
         assert selector.items() <= gateway_labels.items()
         assert not any(selector.items() <= labels.items() for labels in worker_labels)
-    for hpa in _objects(docs, "HorizontalPodAutoscaler"):
-        target = hpa["spec"]["scaleTargetRef"]
-        assert (target["kind"], target["name"]) == ("Deployment", "loraplex-gateway")
-        assert "replicas" not in _one(docs, "Deployment", "loraplex-gateway")["spec"]
-        assert hpa["spec"]["minReplicas"] >= 2 and hpa["spec"]["maxReplicas"] >= 2
-        assert hpa["spec"]["metrics"][0]["resource"]["name"] == "cpu"
+    for scaler in _objects(docs, "HorizontalPodAutoscaler") + _objects(docs, "ScaledObject"):
+        target = scaler["spec"]["scaleTargetRef"]
+        assert (target["apiVersion"], target["kind"]) == ("apps/v1", "Deployment")
+        deployment = _one(docs, "Deployment", target["name"])
+        # The autoscaler owns the count: a `replicas` in the chart would reset it on upgrade.
+        assert "replicas" not in deployment["spec"], target["name"]
+        labels = scaler["metadata"]["labels"]
+        assert labels.items() <= deployment["metadata"]["labels"].items()
+        if _component(deployment) == "gateway":
+            assert scaler["kind"] == "HorizontalPodAutoscaler"
+            assert scaler["metadata"]["name"] == "loraplex-gateway"
+            assert scaler["spec"]["minReplicas"] >= 2 and scaler["spec"]["maxReplicas"] >= 2
+            assert scaler["spec"]["metrics"][0]["resource"]["name"] == "cpu"
+        else:
+            pod_spec = deployment["spec"]["template"]["spec"]
+            assert "nodeSelector" not in pod_spec, "a worker pinned to a node cannot scale"
+    scaled = {s["spec"]["scaleTargetRef"]["name"] for s in _objects(docs, "ScaledObject")}
+    hpa_targets = [
+        h["spec"]["scaleTargetRef"]["name"] for h in _objects(docs, "HorizontalPodAutoscaler")
+    ]
+    assert len(hpa_targets) == len(set(hpa_targets)) and not scaled & set(hpa_targets)
+    for deployment in deployments:
+        if "replicas" not in deployment["spec"]:  # someone must scale it
+            assert deployment["metadata"]["name"] in scaled | set(hpa_targets)
     claims = {d["metadata"]["name"] for d in _objects(docs, "PersistentVolumeClaim")}
     for name, spec in _pod_specs(docs):
         for volume in spec.get("volumes", []):
@@ -395,7 +418,10 @@ def test_gateway_disruption_budget_and_autoscaling(docs: list[dict[str, Any]]) -
     assert pdb["spec"]["minAvailable"] == 1
     gateway = _one(docs, "Deployment", "loraplex-gateway")
     assert gateway["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
-    hpas = _objects(docs, "HorizontalPodAutoscaler")
+    hpas = [
+        h for h in _objects(docs, "HorizontalPodAutoscaler")
+        if h["metadata"]["labels"]["app.kubernetes.io/component"] == "gateway"
+    ]
     if not hpas:
         assert gateway["spec"]["replicas"] == 3  # NO_AUTOSCALING
         return
