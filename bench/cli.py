@@ -70,6 +70,23 @@ def throughput(
     )
 
 
+@bench.command("roofline")
+@click.option("--model", default="default", show_default=True)
+@click.option("--num-seqs", default=32, show_default=True)
+@click.option("--context-len", default="200-500", show_default=True, help="min-max tokens")
+@click.option("--num-adapters", default=8, show_default=True, help="0: base model only")
+@click.option("--rank", default=16, show_default=True)
+@click.option("--steps", default=16, show_default=True, help="timed decode steps per round")
+@click.option("--repeats", default=2, show_default=True, help="alternating base/LoRA rounds")
+@click.option("--compare-gather", is_flag=True, help="also alternate kernel / gather steps")
+@click.option("--output", type=click.Path(path_type=Path), default=None)
+def roofline(context_len: str, **kwargs: Any) -> None:
+    """Matmul peak and memory bandwidth, and a decode step's parts against them."""
+    from bench.roofline import RooflineOptions, run_roofline
+
+    run_roofline(RooflineOptions(context_len=_range(context_len), **kwargs))
+
+
 @bench.command("kernels")
 @click.option(
     "--tokens", "num_tokens", multiple=True, type=int, default=(16, 64, 256), show_default=True
@@ -239,6 +256,60 @@ def lora_cold_load(loads: int, **kwargs: Any) -> None:
     run_cold_load(_lora_bench_options(**kwargs), loads=loads)
 
 
+@bench.command("serve")
+@click.option("--base-url", default=None,
+              help="an OpenAI-compatible server to load [default: start `loraplex serve`]")
+@click.option("--model", default=None,
+              help="base model [default: `default` when started here, else the server's first]")
+@click.option("--adapter-model", "adapter_models", multiple=True, metavar="NAME=SERVED_NAME",
+              help="what the server at --base-url calls adapter NAME (lora-0, lora-1, ...)")
+@click.option("--api-key", default=None, help="sent as a Bearer token")
+@click.option("--vocab-size", type=int, default=None,
+              help="for random token prompts [default: from the local model's config]")
+@click.option("--rate", "rates", multiple=True, default=("1",), show_default=True,
+              help="requests/s, repeatable or a comma list; inf: all at once")
+@click.option("--burstiness", default=1.0, show_default=True,
+              help="gamma shape of the gaps: 1 Poisson, < 1 burstier")
+@click.option("--num-requests", type=int, default=None,
+              help="per rate [default: 64 unless --duration]")
+@click.option("--duration", "duration_s", type=float, default=None,
+              help="seconds of arrivals per rate")
+@click.option("--max-concurrency", type=int, default=None, help="cap on streams in flight")
+@click.option("--prompt-len", default="64-512", show_default=True, help="N or min-max tokens")
+@click.option("--output-len", default="32-128", show_default=True, help="N or min-max tokens")
+@click.option("--dataset", type=click.Path(path_type=Path, dir_okay=False, exists=True),
+              default=None, help='JSONL: {"prompt" or "prompt_len", "output_len"} per line')
+@click.option("--num-adapters", default=0, show_default=True,
+              help="rank-16 adapters lora-0..; 0: base model only")
+@click.option("--adapter-dist", type=click.Choice(["uniform", "zipf"]), default="uniform",
+              show_default=True)
+@click.option("--zipf-alpha", default=1.0, show_default=True)
+@click.option("--shared-prefix-fraction", default=0.0, show_default=True,
+              help="requests that start with their adapter's system prompt")
+@click.option("--shared-prefix-len", default=256, show_default=True, help="tokens")
+@click.option("--slo-ttft", "slo_ttft_s", default=2.0, show_default=True, help="seconds")
+@click.option("--slo-tpot", "slo_tpot_s", default=0.2, show_default=True, help="seconds")
+@click.option("--seed", default=0, show_default=True)
+@click.option("--request-timeout", "request_timeout_s", default=600.0, show_default=True)
+@click.option("--ignore-eos/--no-ignore-eos", default=True, show_default=True)
+@click.option("--serve-arg", "serve_args", multiple=True, help="extra flag for `serve`")
+@click.option("--output", type=click.Path(path_type=Path), default=None,
+              help="JSON report [default: bench/results/serve-<timestamp>.json]")
+@click.option("--plot", type=click.Path(path_type=Path), default=None, help="PNG of the sweep")
+def serve(**kwargs: Any) -> None:
+    """Open-loop streams at each --rate (Poisson or gamma arrivals): TTFT, TPOT, ITL, e2e
+    percentiles, throughput and goodput within the SLOs; KV, queue and RSS of loraplex."""
+    from bench.serve import run_serve
+    from bench.serve_options import options_from_cli
+
+    try:
+        options = options_from_cli(**kwargs)
+        options.validate()
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    run_serve(options)
+
+
 @bench.command("fairness")
 @click.option("--model", default="default", show_default=True)
 @click.option("--scenario", "scenarios", multiple=True, type=click.Choice(["tenants", "tiers"]),
@@ -256,6 +327,8 @@ def lora_cold_load(loads: int, **kwargs: Any) -> None:
               help="seconds after the flood")
 @click.option("--probe-interval", "probe_interval_s", default=2.0, show_default=True,
               help="seconds between probes")
+@click.option("--shared-prefix-len", default=0, show_default=True,
+              help="tokens every flood prompt starts with (a system prompt: prefix-cache hits)")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--serve-arg", "serve_args", multiple=True,
               help="extra flag for `serve` [default: --max-num-batched-tokens 512]")
@@ -335,6 +408,38 @@ def soak(serve_args: tuple[str, ...], **kwargs: Any) -> None:
     )
     if not report.ok:
         raise SystemExit(1)
+
+
+@bench.command("long-prompts")
+@click.option("--model", default="default", show_default=True)
+@click.option("--long-requests", default=3, show_default=True)
+@click.option("--long-prompt-len", default=8000, show_default=True)
+@click.option("--long-output-len", default=8, show_default=True)
+@click.option("--long-interval", "long_interval_s", default=20.0, show_default=True,
+              help="seconds between long prompts")
+@click.option("--short-rate", default=0.5, show_default=True, help="short prompts per second")
+@click.option("--short-prompt-len", default="32-96", show_default=True, help="min-max tokens")
+@click.option("--short-output-len", default=16, show_default=True)
+@click.option("--setting", "settings", multiple=True,
+              type=click.Choice(["unchunked", "uncapped", "capped"]),
+              default=("unchunked", "uncapped", "capped"), show_default=True,
+              help="one server per setting")
+@click.option("--seed", default=0, show_default=True)
+@click.option("--serve-arg", "serve_args", multiple=True,
+              help="extra flag for `serve` [default: --max-num-batched-tokens 512 "
+                   "--kv-cache-tokens 40960]")
+@click.option("--output", type=click.Path(path_type=Path), default=None, help="JSON report")
+def long_prompts(
+    short_prompt_len: str, serve_args: tuple[str, ...], **kwargs: Any
+) -> None:
+    """Short prompts' TTFT while 8k-token prompts arrive, with the long-prefill cap and
+    without (same arrivals), and the throughput of each."""
+    from bench.long_prompts import LongPromptOptions, run_long_prompts
+
+    options = LongPromptOptions(short_prompt_len=_range(short_prompt_len), **kwargs)
+    if serve_args:
+        options.serve_args = [a for arg in serve_args for a in arg.split()]
+    run_long_prompts(options)
 
 
 @bench.command("grammar")
