@@ -81,8 +81,8 @@ class _EngineCollector(Collector):
         in_use_slots = (stats.num_total_blocks - stats.num_free_blocks) * stats.block_size
         yield GaugeMetricFamily(
             "loraplex_kv_cache_filled_ratio",
-            "Of the slots in the KV blocks running requests hold, the fraction holding "
-            "computed KV (1 - what paging wastes in each sequence's last block).",
+            "Of the slots in the KV blocks running requests hold, the fraction assigned to "
+            "a token (1 - what paging wastes in each sequence's last block).",
             value=stats.kv_filled_slots / in_use_slots if in_use_slots else 1.0,
         )
         yield GaugeMetricFamily(

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.server import engine_counters, free_port, wait_ready
+from bench.server import engine_counters, free_port, stop, wait_ready
 from bench.throughput import machine_description, print_row
 from bench.workload import (
     BenchRequest,
@@ -235,12 +235,7 @@ def authenticated_server(
             wait_ready(proc, base_url, timeout_s, cmd=cmd, log=log_path)
             yield base_url, admin_key
         finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop(proc)
             log.close()
 
 

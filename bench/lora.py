@@ -98,7 +98,7 @@ def _lora_flags(adapters: dict[str, Path]) -> list[str]:
 
 
 def _report(name: str, opts: LoRABenchOptions) -> dict[str, Any]:
-    options = {f.name: _jsonable(getattr(opts, f.name)) for f in fields(opts) if f.name != "output"}
+    options = {f.name: jsonable(getattr(opts, f.name)) for f in fields(opts) if f.name != "output"}
     return {
         "benchmark": name,
         "machine": machine_description(),
@@ -107,7 +107,7 @@ def _report(name: str, opts: LoRABenchOptions) -> dict[str, Any]:
     }
 
 
-def _jsonable(value: Any) -> Any:
+def jsonable(value: Any) -> Any:
     if isinstance(value, Path):
         return str(value)
     if isinstance(value, tuple):

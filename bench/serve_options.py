@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from bench.lora import jsonable
 from bench.serve_stats import SLO, rate_label
 from bench.serve_workload import parse_rates
 
@@ -88,7 +89,7 @@ class ServeOptions:
             raise ValueError(f"unknown adapter distribution {self.adapter_dist!r}")
 
     def to_json(self) -> dict[str, Any]:
-        out = {f.name: _jsonable(getattr(self, f.name)) for f in fields(self)}
+        out = {f.name: jsonable(getattr(self, f.name)) for f in fields(self)}
         out["rates"] = [rate_label(r) if math.isinf(r) else r for r in self.rates]
         out["api_key"] = None if self.api_key is None else "<set>"  # never in a report
         return out
@@ -127,10 +128,3 @@ def _name_pair(pair: str) -> tuple[str, str]:
         raise ValueError(f"--adapter-model takes NAME=SERVED_NAME, not {pair!r}")
     return name, served
 
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, Path):
-        return str(value)
-    if isinstance(value, tuple):
-        return list(value)
-    return value

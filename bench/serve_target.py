@@ -16,7 +16,7 @@ import httpx
 from bench.lora import make_adapters
 from bench.serve_client import Target
 from bench.serve_options import ServeOptions
-from bench.server import free_port, wait_ready
+from bench.server import free_port, stop, wait_ready
 from bench.throughput import model_name
 from engine.config import default_data_dir
 from engine.model_loader import ModelLoadError, load_model_config, resolve_model
@@ -79,12 +79,7 @@ def started_server(serve_args: list[str], *, timeout_s: float = 600.0) -> Iterat
             wait_ready(proc, base_url, timeout_s, cmd=cmd, log=log_path)
             yield StartedServer(base_url, proc.pid)
         finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop(proc)
 
 
 def _first_model(base_url: str, headers: dict[str, str]) -> str:

@@ -21,6 +21,16 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM (the server drains), then SIGKILL after a minute."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def wait_ready(
     proc: subprocess.Popen[bytes],
     base_url: str,
@@ -66,12 +76,7 @@ def running_server(
         wait_ready(proc, base_url, timeout_s, cmd=cmd)
         yield base_url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc)
 
 
 def engine_counters(base_url: str, headers: dict[str, str] | None = None) -> dict[str, float]:

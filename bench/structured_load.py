@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 
-from bench.server import free_port, wait_ready
+from bench.server import free_port, stop, wait_ready
 from bench.workload import RequestTiming, percentile
 
 _ENV_DROP = ("DATABASE_URL", "REDIS_URL", "LORAPLEX_NO_AUTH", "LORAPLEX_DATA_DIR")
@@ -44,12 +44,7 @@ def scratch_server(model_dir: Path, serve_args: Sequence[str], *,
                 wait_ready(proc, base_url, timeout_s, cmd=cmd, log=log_path)
                 yield base_url
             finally:
-                proc.terminate()
-                try:
-                    proc.wait(timeout=60)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+                stop(proc)
 
 
 @dataclass(slots=True)

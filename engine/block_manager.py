@@ -173,15 +173,16 @@ class BlockManager:
         return True
 
     def filled_slots(self, requests: Iterable[Request]) -> int:
-        """Slots holding computed KV in the blocks `requests` hold; a shared block counts
-        once. Against the slots of the blocks in use, what paging wastes: the unfilled
-        tail of each sequence's last block."""
+        """Slots assigned to a token (its KV written, or being written by the step in
+        progress) in the blocks `requests` hold; a shared block counts once. Against the
+        slots of the blocks in use, what paging wastes: the unused tail of each
+        sequence's last block."""
         bs = self.block_size
         filled: dict[int, int] = {}
         for request in requests:
-            num_computed = request.num_computed_tokens
+            num_known = request.num_tokens
             for index, block_id in enumerate(list(request.block_ids)):
-                num = min(bs, max(0, num_computed - index * bs))
+                num = min(bs, max(0, num_known - index * bs))
                 filled[block_id] = max(filled.get(block_id, 0), num)
         return sum(filled.values())
 

@@ -94,8 +94,8 @@ class EngineStats:
     adapter_cache: AdapterCacheStats | None = None  # None: LoRA disabled
     num_step_failures: int = 0  # engine steps that raised, cumulative
     num_steps: int = 0  # engine steps that ran a batch, cumulative
-    # Slots of the blocks in use that hold a running request's computed KV (the rest of
-    # those blocks' slots is paging's waste); block_size tokens a block.
+    # Slots of the blocks in use assigned to a running request's token (the rest of those
+    # blocks' slots is paging's waste); block_size tokens a block.
     kv_filled_slots: int = 0
     block_size: int = 16
     step_seconds: float = 0.0  # their time, cumulative

@@ -122,11 +122,12 @@ async def test_stats_count_steps_and_the_kv_filled_in_blocks(engine: AsyncEngine
     assert after.num_steps - before.num_steps == 6
     assert after.step_seconds > before.step_seconds
     assert after.block_size == 16
-    # While it runs, the blocks held are this request's: its KV fills all but the tail
-    # (and a block the next step took already, read between schedule and forward).
+    # While it runs, the blocks held are this request's: its tokens fill all but the tail
+    # (a block the step in progress took counts with the token it is writing; the two
+    # figures are read a moment apart, while the step thread runs).
     # Read once it finished (the last token), it holds nothing.
     running = [(n, b) for n, b in filled if b]
     assert running
     for num_filled, num_blocks in running:
-        assert len(ids) <= num_filled <= len(ids) + 6
-        assert -(-num_filled // 16) <= num_blocks <= -(-num_filled // 16) + 1
+        assert len(ids) <= num_filled <= len(ids) + 6, (num_filled, len(ids))
+        assert abs(num_blocks - -(-num_filled // 16)) <= 1

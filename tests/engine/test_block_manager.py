@@ -281,13 +281,15 @@ def test_filled_slots_count_computed_kv_once_per_block() -> None:
     bm = BlockManager(16, BS, True)
     a = make_request("a", 10, max_tokens=4)
     admit(bm, a)
-    assert bm.filled_slots([a]) == 0  # allocated for the step, nothing computed yet
+    assert bm.filled_slots([a]) == 10  # blocks of 4, 4 and 2 of 4, being computed
     compute(a)
-    assert bm.filled_slots([a]) == 10  # blocks of 4, 4 and 2 of 4
+    assert bm.filled_slots([a]) == 10
     b = make_request("b", [*a.prompt_token_ids[:8], 77, 78, 79], max_tokens=4)
     assert admit(bm, b) == 8  # shares a's two full blocks
     compute(b)
     assert bm.filled_slots([a, b]) == 10 + 3  # the shared blocks once
+    a.output_token_ids.append(7)  # sampled; its KV is written by the next step
+    assert bm.filled_slots([a, b]) == 11 + 3
     assert (bm.num_blocks - bm.num_free_blocks) * BS == 16  # 4 blocks held
 
 
