@@ -23,13 +23,13 @@ import json
 import random
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 
 from bench.server import engine_counters, running_server
-from bench.throughput import machine_description, model_name, print_row
+from bench.throughput import model_name, print_row, report_header, write_report
 from bench.workload import BenchRequest, RequestTiming, _one_stream, make_requests, percentile
 from engine.config import default_data_dir
 from engine.model_loader import load_model_config, resolve_model
@@ -154,14 +154,7 @@ def run_long_prompts(opts: LongPromptOptions) -> dict[str, object]:
         raise ValueError(f"unknown settings: {sorted(unknown)}")
     model_dir = resolve_model(opts.model, default_data_dir())
     schedule = arrivals(opts, load_model_config(model_dir).vocab_size)
-    options = asdict(opts)
-    options["output"] = None if opts.output is None else str(opts.output)
-    report: dict[str, object] = {
-        "benchmark": "long-prompts",
-        "machine": machine_description(),
-        "options": options,
-        "started_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
-    }
+    report: dict[str, object] = report_header("long-prompts", opts)
     results: list[dict[str, object]] = []
     for setting in opts.settings:
         serve_args = ["--model", str(model_dir), *opts.serve_args, *SETTINGS[setting]]
@@ -190,9 +183,7 @@ def run_long_prompts(opts: LongPromptOptions) -> dict[str, object]:
         report["ratios"]["short_tpot_p99_unchunked_over_chunked"] = _ratio(
             by_setting["unchunked"]["short_tpot_p99_s"], by_setting["uncapped"]["short_tpot_p99_s"])
         print("ratios:", json.dumps(report["ratios"]), flush=True)
-    if opts.output is not None:
-        opts.output.parent.mkdir(parents=True, exist_ok=True)
-        opts.output.write_text(json.dumps(report, indent=2))
+    write_report(report, opts.output)
     return report
 
 

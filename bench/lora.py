@@ -12,14 +12,19 @@ import statistics
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from bench.adapters import ALL_LINEAR, ATTENTION, write_random_adapter
 from bench.hf_baseline import HFResult, load_hf_model, run_one_at_a_time, run_static_batches
 from bench.server import running_server
-from bench.throughput import machine_description, model_name, print_row
+from bench.throughput import (
+    model_name,
+    print_row,
+    report_header,
+    write_report,
+)
 from bench.workload import BenchRequest, LoadResult, make_requests, percentile, run_load
 from engine.config import EngineConfig, default_data_dir
 from engine.model_loader import ModelConfig, load_model_config, resolve_model
@@ -97,30 +102,6 @@ def _lora_flags(adapters: dict[str, Path]) -> list[str]:
     return [flag for name, path in adapters.items() for flag in ("--lora", f"{name}={path}")]
 
 
-def _report(name: str, opts: LoRABenchOptions) -> dict[str, Any]:
-    options = {f.name: jsonable(getattr(opts, f.name)) for f in fields(opts) if f.name != "output"}
-    return {
-        "benchmark": name,
-        "machine": machine_description(),
-        "options": options,
-        "started_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
-    }
-
-
-def jsonable(value: Any) -> Any:
-    if isinstance(value, Path):
-        return str(value)
-    if isinstance(value, tuple):
-        return list(value)
-    return value
-
-
-def _write(report: dict[str, Any], output: Path | None) -> None:
-    if output is not None:
-        output.parent.mkdir(parents=True, exist_ok=True)
-        output.write_text(json.dumps(report, indent=2))
-
-
 def _adapter_root() -> Path:
     return Path("bench/results/adapters")
 
@@ -148,7 +129,7 @@ def run_scaling(opts: LoRABenchOptions) -> dict[str, Any]:
         "uniform": [names[i % len(names)] for i in range(opts.num_requests)],
         "zipf": list(zipf_choices(names, opts.num_requests, opts.zipf_alpha, opts.seed)),
     }
-    report = _report("lora_scaling", opts)
+    report = report_header("lora_scaling", opts)
     report["distinct_adapters"] = {k: len(set(v)) for k, v in mixes.items()}
     runs: dict[str, list[LoadResult]] = {k: [] for k in mixes}
     # NOTE: no prefix caching: every round sends the same prompts, and a mix whose
@@ -192,7 +173,7 @@ def run_scaling(opts: LoRABenchOptions) -> dict[str, Any]:
         "zipf_vs_single": round(best["zipf"].output_tokens_per_s / single, 3),
     }
     print("best of each:", json.dumps(report["ratios"]), flush=True)
-    _write(report, opts.output)
+    write_report(report, opts.output)
     return report
 
 
@@ -223,7 +204,7 @@ def run_vs_peft(opts: LoRABenchOptions) -> dict[str, Any]:
         ),
         [names[i % len(names)] for i in range(opts.num_requests)],
     )
-    report = _report("lora_vs_peft", opts)
+    report = report_header("lora_vs_peft", opts)
     serve = [
         "--model", opts.model,
         "--max-loras", str(opts.num_adapters),
@@ -273,7 +254,7 @@ def run_vs_peft(opts: LoRABenchOptions) -> dict[str, Any]:
         "engine_vs_peft_static": round(engine.output_tokens_per_s / static.output_tokens_per_s, 2),
     }
     print("best of each:", json.dumps(report["ratios"]), flush=True)
-    _write(report, opts.output)
+    write_report(report, opts.output)
     return report
 
 
@@ -325,7 +306,7 @@ def run_overhead(opts: LoRABenchOptions) -> dict[str, Any]:
             for i, r in enumerate(workload)
         ]
 
-    report = _report("lora_overhead", opts)
+    report = report_header("lora_overhead", opts)
     _step_time(core, requests("warm", "lora-0")[:2])
     rounds: dict[str, list[float]] = {"base": [], "lora": []}
     steps: dict[str, int] = {}
@@ -341,7 +322,7 @@ def run_overhead(opts: LoRABenchOptions) -> dict[str, Any]:
     report["best_step_ms"] = {k: round(v * 1000, 2) for k, v in best.items()}
     report["ratios"] = {"lora_vs_base_step_time": round(best["lora"] / best["base"], 3)}
     print("best of each:", json.dumps(report["ratios"]), flush=True)
-    _write(report, opts.output)
+    write_report(report, opts.output)
     return report
 
 
@@ -361,7 +342,7 @@ def run_cold_load(opts: LoRABenchOptions, *, loads: int = 20) -> dict[str, Any]:
         model_dir,
         make_adapters(_adapter_root(), config, 1, rank=opts.rank, targets=opts.targets, seed=9),
     )
-    report = _report("lora_cold_load", opts)
+    report = report_header("lora_cold_load", opts)
     to_host: list[float] = []
     to_ready: list[float] = []
     peft_load: list[float] = []
@@ -410,7 +391,7 @@ def run_cold_load(opts: LoRABenchOptions, *, loads: int = 20) -> dict[str, Any]:
     print_row("add_adapter", report["add_adapter_s"])
     print_row("disk to ready", report["disk_to_ready_s"])
     print_row("peft load_adapter", report["peft_load_adapter_s"])
-    _write(report, opts.output)
+    write_report(report, opts.output)
     return report
 
 

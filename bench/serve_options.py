@@ -8,9 +8,9 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from bench.lora import jsonable
 from bench.serve_stats import SLO, rate_label
 from bench.serve_workload import parse_rates
+from bench.throughput import jsonable
 
 DEFAULT_NUM_REQUESTS = 64
 

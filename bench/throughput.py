@@ -13,8 +13,9 @@ import json
 import platform
 import subprocess
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -137,6 +138,32 @@ def machine_description() -> str:
         f"{platform.machine()} {platform.processor() or ''} cores={torch.get_num_threads()} "
         f"torch={torch.__version__} python={platform.python_version()}"
     ).strip()
+
+
+def report_header(name: str, opts: Any) -> dict[str, Any]:
+    """What every benchmark report starts with; `opts`: its options dataclass (without
+    the output path)."""
+    options = {f.name: jsonable(getattr(opts, f.name)) for f in fields(opts) if f.name != "output"}
+    return {
+        "benchmark": name,
+        "machine": machine_description(),
+        "options": options,
+        "started_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+
+
+def jsonable(value: Any) -> Any:
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, tuple):
+        return list(value)
+    return value
+
+
+def write_report(report: dict[str, Any], output: Path | None) -> None:
+    if output is not None:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        output.write_text(json.dumps(report, indent=2))
 
 
 def print_row(label: str, row: object) -> None:
