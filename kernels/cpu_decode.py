@@ -5,38 +5,33 @@ a contiguous copy per layer and step, then runs SDPA over it: the K/V bytes are 
 written and read again. This kernel reads each cached K/V row once, in place, through
 the block table, with the softmax over the exact context (no padding, no mask).
 
-NOTE: a small C function compiled once per machine with the system C compiler (cached
-under ~/.cache/loraplex, keyed by the source and flags) and called through ctypes, which
-releases the GIL for the call. It is parallel over (sequence, KV head) with OpenMP,
-linking the `libgomp.so.1` torch itself loads, so both share one thread pool. Without a
-compiler, or when the build fails, `available()` is False and callers keep the torch
-path.
+NOTE: a small C function built by kernels/cpu_build.py (once per machine, cached) and
+called through ctypes with the GIL released; parallel over (sequence, KV head) with
+OpenMP on torch's own thread pool. Without a compiler, or when the build fails,
+`available()` is False and callers keep the torch path.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-import threading
-from pathlib import Path
 
 import torch
 
-log = logging.getLogger("loraplex.engine")
+from kernels.cpu_build import LazyLibrary
 
 _SOURCE = r"""
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 
+/* Blocks are scattered in the cache, so the hardware cannot guess the next one: each
+   row of a block has the same row of the next block fetched while it is worked on. */
+static inline void prefetch_row(const float *p, int64_t n) {
+    for (int64_t i = 0; i < n; i += 16) __builtin_prefetch(p + i, 0, 3);
+}
+
 /* The dot product in 8 independent lanes: vectorized without reassociating a sum. */
-static inline float dot(const float *restrict a, const float *restrict b, int64_t n) {
+static inline __attribute__((always_inline)) float dot(const float *restrict a, const float *restrict b, int64_t n) {
     float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     int64_t d = 0;
     for (; d + 8 <= n; d += 8)
@@ -61,9 +56,10 @@ typedef struct {
 
 /* Sequence s, KV heads [h0, h1): every cached row is read once, in place, and all the
    query heads of those KV heads are done with it. scores: [(h1 - h0) * groups, len]. */
-static void attend(const Args *a, int64_t s, int64_t h0, int64_t h1, float *restrict scores) {
+static inline __attribute__((always_inline)) void attend_impl(
+    const Args *a, int64_t s, int64_t h0, int64_t h1, float *restrict scores, const int64_t hd) {
     const int64_t groups = a->num_heads / a->num_kv_heads;
-    const int64_t hd = a->head_dim, bs = a->block_size;
+    const int64_t bs = a->block_size;
     const int64_t row = a->num_kv_heads * hd; /* one token slot of the cache */
     const int64_t len = a->context_lens[s];
     const int64_t heads = (h1 - h0) * groups;
@@ -74,10 +70,14 @@ static void attend(const Args *a, int64_t s, int64_t h0, int64_t h1, float *rest
     for (int64_t t0 = 0; t0 < len; t0 += bs) {
         const int64_t n = len - t0 < bs ? len - t0 : bs;
         const float *k = a->key_cache + table[t0 / bs] * bs * row + h0 * hd;
-        for (int64_t i = 0; i < n; i++)
+        const float *next = t0 + bs < len ? a->key_cache + table[t0 / bs + 1] * bs * row + h0 * hd
+                                          : NULL;
+        for (int64_t i = 0; i < n; i++) {
+            if (next != NULL) prefetch_row(next + i * row, (h1 - h0) * hd);
             for (int64_t j = 0; j < heads; j++)
                 scores[j * len + t0 + i] = dot(q + j * hd, k + i * row + (j / groups) * hd, hd)
                                            * a->scale;
+        }
     }
     for (int64_t j = 0; j < heads; j++) {
         float *p = scores + j * len;
@@ -96,13 +96,27 @@ static void attend(const Args *a, int64_t s, int64_t h0, int64_t h1, float *rest
     for (int64_t t0 = 0; t0 < len; t0 += bs) {
         const int64_t n = len - t0 < bs ? len - t0 : bs;
         const float *v = a->value_cache + table[t0 / bs] * bs * row + h0 * hd;
-        for (int64_t i = 0; i < n; i++)
+        const float *next = t0 + bs < len
+                                ? a->value_cache + table[t0 / bs + 1] * bs * row + h0 * hd
+                                : NULL;
+        for (int64_t i = 0; i < n; i++) {
+            if (next != NULL) prefetch_row(next + i * row, (h1 - h0) * hd);
             for (int64_t j = 0; j < heads; j++) {
                 const float p = scores[j * len + t0 + i];
                 const float *restrict vi = v + i * row + (j / groups) * hd;
                 float *restrict oj = o + j * hd;
                 for (int64_t d = 0; d < hd; d++) oj[d] += p * vi[d];
             }
+        }
+    }
+}
+
+/* Head dims the models use get a loop of known length (unrolled, in registers). */
+static void attend(const Args *a, int64_t s, int64_t h0, int64_t h1, float *restrict scores) {
+    switch (a->head_dim) {
+    case 64: attend_impl(a, s, h0, h1, scores, 64); break;
+    case 128: attend_impl(a, s, h0, h1, scores, 128); break;
+    default: attend_impl(a, s, h0, h1, scores, a->head_dim);
     }
 }
 
@@ -141,74 +155,17 @@ int paged_decode_attention_f32(
 }
 """
 
-_FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC"]
-
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_tried = False
-
-
-def _cache_dir() -> Path:
-    root = os.environ.get("LORAPLEX_KERNEL_CACHE")
-    return Path(root) if root else Path.home() / ".cache" / "loraplex" / "kernels"
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def _build() -> ctypes.CDLL | None:
-    compiler = shutil.which(os.environ.get("CC", "cc"))
-    if compiler is None:
-        log.info("no C compiler: CPU decode attention stays on the torch path")
-        return None
-    # -march=native: a build is only valid on CPUs with the same instruction sets.
-    key = hashlib.sha256(
-        "\n".join([_SOURCE, compiler, *_FLAGS, platform.machine(), _cpu_flags()]).encode()
-    ).hexdigest()[:16]
-    target = _cache_dir() / f"paged_decode_{key}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            src = Path(tmp) / "paged_decode.c"
-            src.write_text(_SOURCE)
-            built = Path(tmp) / target.name
-            result = subprocess.run(
-                [compiler, *_FLAGS, str(src), "-o", str(built), "-lm"],
-                capture_output=True, text=True, timeout=120, check=False,
-            )
-            if result.returncode != 0:
-                log.warning("CPU decode attention kernel did not build: %s", result.stderr[-2000:])
-                return None
-            os.replace(built, target)  # atomic: a concurrent build never sees half a file
-    lib = ctypes.CDLL(str(target))
+def _declare(lib: ctypes.CDLL) -> None:
     fn = lib.paged_decode_attention_f32
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64,
                    ctypes.c_float, i64, i64]
     fn.restype = ctypes.c_int
-    return lib
 
 
-def _library() -> ctypes.CDLL | None:
-    global _lib, _tried
-    if not _tried:
-        with _lock:
-            if not _tried:
-                if os.environ.get("LORAPLEX_CPU_DECODE_KERNEL", "1") != "0":
-                    try:
-                        _lib = _build()
-                    except (OSError, subprocess.SubprocessError) as exc:
-                        log.warning("CPU decode attention kernel unavailable: %s", exc)
-                        _lib = None
-                _tried = True
-    return _lib
+# LORAPLEX_CPU_DECODE_KERNEL=0 turns this kernel alone off.
+_library = LazyLibrary("paged_decode", _SOURCE, _declare,
+                       env_switch="LORAPLEX_CPU_DECODE_KERNEL").get
 
 
 def available(device: torch.device, dtype: torch.dtype) -> bool:

@@ -255,6 +255,8 @@ class LoRASegments:
     seg_slots: torch.Tensor  # [G] int32: the slot of each segment
     segments: tuple[tuple[int, int, int], ...]  # host copy: (start, end, slot) per segment
     max_seg_len: int
+    # [G, 3] int64 on the host: the segments as a table (the CPU kernels read it)
+    seg_table: torch.Tensor
 
     @property
     def num_tokens(self) -> int:
@@ -284,6 +286,7 @@ class LoRASegments:
             seg_slots=torch.tensor([s for _, _, s in segments], dtype=torch.int32, device=device),
             segments=tuple(segments),
             max_seg_len=max(end - start for start, end, _ in segments),
+            seg_table=torch.tensor(segments, dtype=torch.int64),
         )
 
 

@@ -80,14 +80,15 @@ def new_response_id(prefix: str) -> str:
 def check_admission(state: AppState, num_requests: int) -> None:
     """Refuse new work while draining, starting, or when the engine's queue is full."""
     retry_after_s = state.settings.retry_after_s
-    if state.draining:
-        raise overloaded(
-            "The server is shutting down; retry on another replica.", retry_after_s=retry_after_s
-        )
+    # A failed engine also drains the server: say why, whichever the client sees first.
     if state.engine.failure() is not None:
         raise overloaded(
             "The engine of this replica failed and it is restarting; retry on another "
             "replica or shortly.", retry_after_s=retry_after_s,
+        )
+    if state.draining:
+        raise overloaded(
+            "The server is shutting down; retry on another replica.", retry_after_s=retry_after_s
         )
     if not state.engine.is_ready():
         raise overloaded(

@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from engine.lora.weights import LoRAModule, LoRAWeights
+from kernels import cpu_ops
 from kernels import reference as ref
 
 # Segments of at most this many rows (decode-sized) run their LoRA matmuls single-threaded.
@@ -53,6 +54,12 @@ class LoRAGroup:
         b_shape = (num_slots, offsets[-1], max_rank) if self.use_kernels else (0,)
         self.lora_b = torch.zeros(b_shape, device=device, dtype=dtype)
         self.packed: list[ref.PackedLoRA | None] = [None] * num_slots
+        # CPU: each slot's PackedLoRA as the fused kernel reads it (kernels/cpu_ops.py);
+        # a row of zeros for an empty slot.
+        self.cpu_kernel = not self.use_kernels and cpu_ops.available(device, dtype)
+        self.desc = torch.zeros(num_slots if self.cpu_kernel else 0, cpu_ops.DESC_WIDTH,
+                                dtype=torch.int64)
+        self.max_rank_sum = num_slices * max_rank
         self.ranks = torch.zeros(num_slots, num_slices, dtype=torch.int32, device=device)
         self.scalings = torch.zeros(num_slots, num_slices, dtype=torch.float32, device=device)
         # Host-side "does this slot adapt any slice of this group": a step whose segments
@@ -87,11 +94,17 @@ class LoRAGroup:
                 dtype=self.dtype,
                 device=self.device,
             )
+            packed = self.packed[slot]
+            if self.cpu_kernel and packed is not None:
+                self.desc[slot] = torch.tensor(cpu_ops.slot_descriptor(
+                    packed.a_t, packed.b, packed.col_scale, packed.b_slices), dtype=torch.int64)
         self.ranks[slot] = torch.tensor(ranks, dtype=torch.int32)
         self.scalings[slot] = torch.tensor(scales, dtype=torch.float32)
         self.slot_active[slot] = any(ranks)
 
     def clear_slot(self, slot: int) -> None:
+        if self.cpu_kernel:
+            self.desc[slot] = 0  # before its tensors go
         self.packed[slot] = None
         self.ranks[slot] = 0
         self.scalings[slot] = 0.0
@@ -107,6 +120,12 @@ class LoRAGroup:
 
             shrunk = lora_shrink(x, self.lora_a, self.ranks, segs)
             lora_expand(y, shrunk, self.lora_b, self.ranks, self.scalings, self.slice_offsets, segs)
+            return
+        if (self.cpu_kernel and segs.max_seg_len <= SMALL_SEGMENT_ROWS
+                and x.stride(1) == 1 and y.stride(1) == 1):
+            # Decode-sized segments: one fused call for every segment of the step.
+            cpu_ops.lora_segments(y, x, segs.token_indices, segs.seg_table, self.desc,
+                                  self.max_rank_sum)
             return
         if segs.max_seg_len > SMALL_SEGMENT_ROWS or torch.get_num_threads() == 1:
             ref.add_lora_packed(y, x, self.packed, segs)

@@ -189,9 +189,11 @@ async def test_hung_redis_costs_one_timeout_per_backoff(proxy: TcpProxy, redis_u
         rest = await asyncio.gather(
             *(limiter.admit("ten_a", quotas, request_id=f"c{i}", tokens=0) for i in range(20))
         )
-        assert time.monotonic() - started < 0.25
-        assert {a.backend for a in rest} == {"memory"}
+        # None of them waits on Redis: one failure in all (each probe that timed out would
+        # count one), and no timeout's worth of time (bounded loosely: shared machines).
         assert (limiter.failures, limiter.fallbacks) == (1, 21)
+        assert time.monotonic() - started < 1.0
+        assert {a.backend for a in rest} == {"memory"}
     finally:
         proxy.restore()
         await limiter.close()

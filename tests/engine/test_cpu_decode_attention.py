@@ -63,7 +63,8 @@ def _layout(
     ],
 )
 @pytest.mark.parametrize(
-    ("num_heads", "num_kv_heads", "head_dim"), [(4, 4, 8), (9, 3, 64), (8, 1, 12), (6, 2, 20)]
+    ("num_heads", "num_kv_heads", "head_dim"),
+    [(4, 4, 8), (9, 3, 64), (8, 1, 12), (6, 2, 20), (4, 2, 128)],
 )
 def test_kernel_matches_reference_and_dense(
     lens: list[int], block_size: int, num_heads: int, num_kv_heads: int, head_dim: int

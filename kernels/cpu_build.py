@@ -1,0 +1,108 @@
+"""Small C kernels for the CPU path, compiled once per machine and loaded with ctypes.
+
+NOTE: the system C compiler builds each source with `-march=native` (so a build is only
+valid on CPUs with the same instruction sets: the cache key holds the CPU's flags), into
+~/.cache/loraplex/kernels (`LORAPLEX_KERNEL_CACHE` elsewhere). The kernels link the
+`libgomp.so.1` torch itself loads, so OpenMP regions share torch's thread pool, and
+ctypes releases the GIL for every call. Without a compiler, or when a build fails, the
+loader returns None and callers keep their torch path. `LORAPLEX_CPU_KERNELS=0` turns
+every kernel off (the torch paths then run, for comparisons).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+log = logging.getLogger("loraplex.engine")
+
+FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC")
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("LORAPLEX_KERNEL_CACHE")
+    return Path(root) if root else Path.home() / ".cache" / "loraplex" / "kernels"
+
+
+def kernels_enabled() -> bool:
+    return os.environ.get("LORAPLEX_CPU_KERNELS", "1") != "0"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def build(name: str, source: str) -> ctypes.CDLL | None:
+    """The shared library of `source`, built (or found in the cache) for this machine."""
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if compiler is None:
+        log.info("no C compiler: the %s kernel stays on the torch path", name)
+        return None
+    key = hashlib.sha256(
+        "\n".join([source, compiler, *FLAGS, platform.machine(), _cpu_flags()]).encode()
+    ).hexdigest()[:16]
+    target = cache_dir() / f"{name}_{key}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            src = Path(tmp) / f"{name}.c"
+            src.write_text(source)
+            built = Path(tmp) / target.name
+            result = subprocess.run(
+                [compiler, *FLAGS, str(src), "-o", str(built), "-lm"],
+                capture_output=True, text=True, timeout=120, check=False,
+            )
+            if result.returncode != 0:
+                log.warning("the %s kernel did not build: %s", name, result.stderr[-2000:])
+                return None
+            os.replace(built, target)  # atomic: a concurrent build never sees half a file
+    return ctypes.CDLL(str(target))
+
+
+class LazyLibrary:
+    """Builds a kernel library on first use, once per process; None when unavailable."""
+
+    def __init__(
+        self, name: str, source: str, declare: Callable[[ctypes.CDLL], None],
+        *, env_switch: str | None = None,
+    ) -> None:
+        self.name, self.source, self.declare, self.env_switch = name, source, declare, env_switch
+        self._lock = threading.Lock()
+        self._lib: ctypes.CDLL | None = None
+        self._tried = False
+
+    def _enabled(self) -> bool:
+        if not kernels_enabled():
+            return False
+        return self.env_switch is None or os.environ.get(self.env_switch, "1") != "0"
+
+    def get(self) -> ctypes.CDLL | None:
+        if not self._tried:
+            with self._lock:
+                if not self._tried:
+                    if self._enabled():
+                        try:
+                            lib = build(self.name, self.source)
+                            if lib is not None:
+                                self.declare(lib)
+                            self._lib = lib
+                        except (OSError, subprocess.SubprocessError, AttributeError) as exc:
+                            log.warning("the %s kernel is unavailable: %s", self.name, exc)
+                            self._lib = None
+                    self._tried = True
+        return self._lib

@@ -1,0 +1,191 @@
+"""Fused float32 CPU kernels for the small operations of a decode step.
+
+A decode step of a small model spends much of its time outside the matmuls: in ops
+whose work is a few microseconds but whose dispatch, temporaries and thread-pool
+barriers cost tens (RMSNorm is six torch ops on the CPU), and, with adapters, in the
+per-segment LoRA matmuls (two or three torch ops per adapter, group and layer). These
+kernels do each in one call, reading their inputs once:
+
+- `rms_norm`: y = x * rsqrt(mean(x^2) + eps) * weight, row by row (sum in double).
+- `lora_segments`: y[rows] += ((x[rows] @ A^T) @ B^T) * scaling for every segment of
+  a step's LoRA layout, in the PackedLoRA layout of kernels/reference.py, reading only
+  the non-zero blocks of B; for decode-sized segments (prefill keeps the matmuls).
+
+Built by kernels/cpu_build.py; callers check `available()` and keep the torch path
+otherwise. Results agree with the torch ops to float32 rounding.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from kernels.cpu_build import LazyLibrary
+
+# Slices per LoRA group at most (Llama's qkv has three); the descriptor's width follows.
+MAX_SLICES = 4
+DESC_FIXED = 4  # a_t pointer, b pointer, col_scale pointer, rank sum
+DESC_WIDTH = DESC_FIXED + 4 * MAX_SLICES  # then (offset, rank, lo, hi) per slice
+
+_SOURCE = r"""
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* x [T, H] rows x_stride apart, weight [H], out [T, H] contiguous. */
+void rms_norm_f32(const float *x, int64_t x_stride, const float *weight, float *out,
+                  int64_t num_rows, int64_t hidden, float eps, int64_t num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (num_rows * hidden >= 65536)
+    for (int64_t t = 0; t < num_rows; t++) {
+        const float *restrict xr = x + t * x_stride;
+        float *restrict o = out + t * hidden;
+        double ss = 0.0;
+        for (int64_t i = 0; i < hidden; i++) ss += (double)xr[i] * (double)xr[i];
+        const float inv = (float)(1.0 / sqrt(ss / (double)hidden + (double)eps));
+        for (int64_t i = 0; i < hidden; i++) o[i] = (xr[i] * inv) * weight[i];
+    }
+}
+
+#define DESC_FIXED 4
+#define DESC_WIDTH (DESC_FIXED + 4 * MAX_SLICES)
+
+/* One row: out[c] += scale[c] * sum_j (x . a_t[:, j]) * b[j, c], slice block by block.
+   shrunk: scratch of rank_sum floats; delta: scratch of out_features floats. */
+static void lora_row(const float *restrict x, float *restrict y, const int64_t *d,
+                     int64_t in_features, int64_t out_features, float *restrict shrunk,
+                     float *restrict delta) {
+    const float *a_t = (const float *)(intptr_t)d[0];
+    const float *b = (const float *)(intptr_t)d[1];
+    const float *col_scale = (const float *)(intptr_t)d[2];
+    const int64_t rs = d[3];
+    for (int64_t j = 0; j < rs; j++) shrunk[j] = 0.0f;
+    for (int64_t i = 0; i < in_features; i++) {
+        const float xi = x[i];
+        const float *restrict ai = a_t + i * rs;
+        for (int64_t j = 0; j < rs; j++) shrunk[j] += xi * ai[j];
+    }
+    for (int64_t k = 0; k < MAX_SLICES; k++) {
+        const int64_t off = d[DESC_FIXED + 4 * k], r = d[DESC_FIXED + 4 * k + 1];
+        const int64_t lo = d[DESC_FIXED + 4 * k + 2], hi = d[DESC_FIXED + 4 * k + 3];
+        if (r == 0) continue;
+        for (int64_t c = lo; c < hi; c++) delta[c] = 0.0f;
+        for (int64_t j = 0; j < r; j++) {
+            const float s = shrunk[off + j];
+            const float *restrict bj = b + (off + j) * out_features;
+            for (int64_t c = lo; c < hi; c++) delta[c] += s * bj[c];
+        }
+        for (int64_t c = lo; c < hi; c++) y[c] += delta[c] * col_scale[c];
+    }
+}
+
+/* x [T, IN] rows x_stride apart; y [T, OUT] rows y_stride apart, updated in place;
+   token_indices [N]; segments [G, 3] (start, end, slot) into token_indices; desc
+   [num_slots, DESC_WIDTH] per slot (rank sum 0: no adapter in this group). Returns 1
+   when scratch memory could not be had. */
+int lora_segments_f32(const float *x, int64_t x_stride, float *y, int64_t y_stride,
+                      const int64_t *token_indices, const int64_t *segments,
+                      int64_t num_segments, const int64_t *desc, int64_t in_features,
+                      int64_t out_features, int64_t max_rank_sum, int64_t num_threads) {
+    int failed = 0;
+    int64_t num_rows = 0;
+    for (int64_t g = 0; g < num_segments; g++) num_rows += segments[3 * g + 1] - segments[3 * g];
+#pragma omp parallel num_threads(num_threads) if (num_rows > 1)
+    {
+        float *scratch = (float *)malloc(sizeof(float) * (max_rank_sum + out_features));
+        if (scratch == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t n = 0; n < num_rows; n++) {
+            int64_t g = 0;
+            while (n >= segments[3 * g + 1]) g++;
+            const int64_t *d = desc + segments[3 * g + 2] * DESC_WIDTH;
+            if (scratch != NULL && d[3] > 0) {
+                const int64_t t = token_indices[n];
+                lora_row(x + t * x_stride, y + t * y_stride, d, in_features, out_features,
+                         scratch, scratch + max_rank_sum);
+            }
+        }
+        free(scratch);
+    }
+    return failed;
+}
+""".replace("MAX_SLICES", str(MAX_SLICES))
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.rms_norm_f32.argtypes = [ptr, i64, ptr, ptr, i64, i64, ctypes.c_float, i64]
+    lib.rms_norm_f32.restype = None
+    lib.lora_segments_f32.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, ptr, i64, i64, i64,
+                                      i64]
+    lib.lora_segments_f32.restype = ctypes.c_int
+
+
+_library = LazyLibrary("cpu_ops", _SOURCE, _declare).get
+
+
+def available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether these kernels serve `device`/`dtype` (builds them once)."""
+    return device.type == "cpu" and dtype == torch.float32 and _library() is not None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [T, H] float32 (rows with unit stride), weight [H] contiguous -> new [T, H]."""
+    lib = _library()
+    assert lib is not None, "kernel not available: check available() first"
+    assert x.dim() == 2 and x.stride(1) == 1 and weight.is_contiguous(), (x.shape, x.stride())
+    assert x.dtype == weight.dtype == torch.float32 and weight.shape[0] == x.shape[1]
+    out = torch.empty(x.shape, dtype=x.dtype)
+    lib.rms_norm_f32(x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(),
+                     x.shape[0], x.shape[1], eps, torch.get_num_threads())
+    return out
+
+
+def lora_segments(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    token_indices: torch.Tensor,
+    segments: torch.Tensor,
+    desc: torch.Tensor,
+    max_rank_sum: int,
+) -> None:
+    """In place: each segment's rows of y [T, OUT] += their LoRA delta of x [T, IN].
+
+    token_indices [N] long; segments [G, 3] long (start, end, slot); desc
+    [num_slots, DESC_WIDTH] long as `slot_descriptor` writes it, its pointers alive.
+    """
+    lib = _library()
+    assert lib is not None, "kernel not available: check available() first"
+    assert x.dtype == y.dtype == torch.float32 and x.stride(1) == 1 and y.stride(1) == 1
+    assert token_indices.dtype == segments.dtype == desc.dtype == torch.long
+    assert segments.is_contiguous() and desc.is_contiguous() and token_indices.is_contiguous()
+    assert desc.shape[1] == DESC_WIDTH, desc.shape
+    if segments.shape[0] == 0:
+        return
+    failed = lib.lora_segments_f32(
+        x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0), token_indices.data_ptr(),
+        segments.data_ptr(), segments.shape[0], desc.data_ptr(), x.shape[1], y.shape[1],
+        max_rank_sum, torch.get_num_threads(),
+    )
+    if failed:
+        raise MemoryError("lora_segments: no memory for its scratch rows")
+
+
+def slot_descriptor(
+    a_t: torch.Tensor,
+    b: torch.Tensor,
+    col_scale: torch.Tensor,
+    slices: tuple[tuple[int, int, int, int, torch.Tensor], ...],
+) -> list[int]:
+    """One slot's row of `desc` for a PackedLoRA (a_t [IN, RS], b [RS, OUT], col_scale
+    [OUT], contiguous float32; slices (offset, rank, lo, hi, _) each)."""
+    assert a_t.is_contiguous() and b.is_contiguous() and col_scale.is_contiguous()
+    assert len(slices) <= MAX_SLICES, len(slices)
+    row = [a_t.data_ptr(), b.data_ptr(), col_scale.data_ptr(), a_t.shape[1]]
+    for off, r, lo, hi, _ in slices:
+        row += [off, r, lo, hi]
+    return row + [0] * (DESC_WIDTH - len(row))
