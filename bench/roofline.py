@@ -228,7 +228,7 @@ def step_model(core: Any, adapters: list[str | None], num_adapters: int) -> dict
             for group in by_name.values():
                 for packed in group.packed:
                     if packed is not None:
-                        n = packed.a_t.numel() + packed.b.numel()
+                        n = packed.num_elements
                         lora_bytes += n * itemsize
                         lora_flops += 2 * n * num_seqs / num_adapters
     kv_bytes = context * runner.kv_bytes_per_token

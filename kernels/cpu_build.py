@@ -25,6 +25,23 @@ from pathlib import Path
 
 log = logging.getLogger("loraplex.engine")
 
+# C the kernels share: the dot product in 8 independent lanes, vectorized without
+# reassociating a sum (so a build's results do not depend on the compiler's choices).
+C_DOT = r"""
+#include <stdint.h>
+
+static inline __attribute__((always_inline)) float dot(const float *restrict a,
+                                                       const float *restrict b, int64_t n) {
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t d = 0;
+    for (; d + 8 <= n; d += 8)
+        for (int k = 0; k < 8; k++) acc[k] += a[d + k] * b[d + k];
+    float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+    for (; d < n; d++) s += a[d] * b[d];
+    return s;
+}
+"""
+
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC")
 
 

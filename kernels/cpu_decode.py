@@ -17,9 +17,9 @@ import ctypes
 
 import torch
 
-from kernels.cpu_build import LazyLibrary
+from kernels.cpu_build import C_DOT, LazyLibrary
 
-_SOURCE = r"""
+_SOURCE = C_DOT + r"""
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -30,16 +30,6 @@ static inline void prefetch_row(const float *p, int64_t n) {
     for (int64_t i = 0; i < n; i += 16) __builtin_prefetch(p + i, 0, 3);
 }
 
-/* The dot product in 8 independent lanes: vectorized without reassociating a sum. */
-static inline __attribute__((always_inline)) float dot(const float *restrict a, const float *restrict b, int64_t n) {
-    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    int64_t d = 0;
-    for (; d + 8 <= n; d += 8)
-        for (int k = 0; k < 8; k++) acc[k] += a[d + k] * b[d + k];
-    float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-    for (; d < n; d++) s += a[d] * b[d];
-    return s;
-}
 
 typedef struct {
     const float *query;

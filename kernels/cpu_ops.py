@@ -8,8 +8,8 @@ kernels do each in one call, reading their inputs once:
 
 - `rms_norm`: y = x * rsqrt(mean(x^2) + eps) * weight, row by row (sum in double).
 - `lora_segments`: y[rows] += ((x[rows] @ A^T) @ B^T) * scaling for every segment of
-  a step's LoRA layout, in the PackedLoRA layout of kernels/reference.py, reading only
-  the non-zero blocks of B; for decode-sized segments (prefill keeps the matmuls).
+  a step's LoRA layout, reading the adapters' A and B^T in place (the PackedLoRA layout
+  of kernels/reference.py); for decode-sized segments (prefill keeps the matmuls).
 
 Built by kernels/cpu_build.py; callers check `available()` and keep the torch path
 otherwise. Results agree with the torch ops to float32 rounding.
@@ -21,14 +21,14 @@ import ctypes
 
 import torch
 
-from kernels.cpu_build import LazyLibrary
+from kernels.cpu_build import C_DOT, LazyLibrary
 
-# Slices per LoRA group at most (Llama's qkv has three); the descriptor's width follows.
+# Slices per LoRA group at most (Llama's qkv has three); the descriptor's width follows:
+# the number of slices, then (A pointer, B^T pointer, rank, lo, hi) per slice.
 MAX_SLICES = 4
-DESC_FIXED = 4  # a_t pointer, b pointer, col_scale pointer, rank sum
-DESC_WIDTH = DESC_FIXED + 4 * MAX_SLICES  # then (offset, rank, lo, hi) per slice
+DESC_WIDTH = 1 + 5 * MAX_SLICES
 
-_SOURCE = r"""
+_SOURCE = C_DOT + r"""
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -48,52 +48,46 @@ void rms_norm_f32(const float *x, int64_t x_stride, const float *weight, float *
     }
 }
 
-#define DESC_FIXED 4
-#define DESC_WIDTH (DESC_FIXED + 4 * MAX_SLICES)
+#define DESC_WIDTH (1 + 5 * MAX_SLICES)
 
-/* One row: out[c] += scale[c] * sum_j (x . a_t[:, j]) * b[j, c], slice block by block.
-   shrunk: scratch of rank_sum floats; delta: scratch of out_features floats. */
+
+/* One row, slice by slice: y[lo:hi] += ((x . A_k rows) @ B_k^T) * scale_k. shrunk:
+   scratch of max_rank floats; delta: scratch of out_features floats. */
 static void lora_row(const float *restrict x, float *restrict y, const int64_t *d,
-                     int64_t in_features, int64_t out_features, float *restrict shrunk,
+                     const float *scales, int64_t in_features, float *restrict shrunk,
                      float *restrict delta) {
-    const float *a_t = (const float *)(intptr_t)d[0];
-    const float *b = (const float *)(intptr_t)d[1];
-    const float *col_scale = (const float *)(intptr_t)d[2];
-    const int64_t rs = d[3];
-    for (int64_t j = 0; j < rs; j++) shrunk[j] = 0.0f;
-    for (int64_t i = 0; i < in_features; i++) {
-        const float xi = x[i];
-        const float *restrict ai = a_t + i * rs;
-        for (int64_t j = 0; j < rs; j++) shrunk[j] += xi * ai[j];
-    }
-    for (int64_t k = 0; k < MAX_SLICES; k++) {
-        const int64_t off = d[DESC_FIXED + 4 * k], r = d[DESC_FIXED + 4 * k + 1];
-        const int64_t lo = d[DESC_FIXED + 4 * k + 2], hi = d[DESC_FIXED + 4 * k + 3];
-        if (r == 0) continue;
-        for (int64_t c = lo; c < hi; c++) delta[c] = 0.0f;
+    for (int64_t k = 0; k < d[0]; k++) {
+        const int64_t *sl = d + 1 + 5 * k;
+        const float *a = (const float *)(intptr_t)sl[0];
+        const float *b_t = (const float *)(intptr_t)sl[1];
+        const int64_t r = sl[2], lo = sl[3], width = sl[4] - sl[3];
+        for (int64_t j = 0; j < r; j++) shrunk[j] = dot(x, a + j * in_features, in_features);
+        for (int64_t c = 0; c < width; c++) delta[c] = 0.0f;
         for (int64_t j = 0; j < r; j++) {
-            const float s = shrunk[off + j];
-            const float *restrict bj = b + (off + j) * out_features;
-            for (int64_t c = lo; c < hi; c++) delta[c] += s * bj[c];
+            const float s = shrunk[j];
+            const float *restrict bj = b_t + j * width;
+            for (int64_t c = 0; c < width; c++) delta[c] += s * bj[c];
         }
-        for (int64_t c = lo; c < hi; c++) y[c] += delta[c] * col_scale[c];
+        const float scale = scales[k];
+        float *restrict yk = y + lo;
+        for (int64_t c = 0; c < width; c++) yk[c] += delta[c] * scale;
     }
 }
 
 /* x [T, IN] rows x_stride apart; y [T, OUT] rows y_stride apart, updated in place;
    token_indices [N]; segments [G, 3] (start, end, slot) into token_indices; desc
-   [num_slots, DESC_WIDTH] per slot (rank sum 0: no adapter in this group). Returns 1
-   when scratch memory could not be had. */
+   [num_slots, DESC_WIDTH] and scales [num_slots, MAX_SLICES] per slot (0 slices: no
+   adapter in this group). Returns 1 when scratch memory could not be had. */
 int lora_segments_f32(const float *x, int64_t x_stride, float *y, int64_t y_stride,
                       const int64_t *token_indices, const int64_t *segments,
-                      int64_t num_segments, const int64_t *desc, int64_t in_features,
-                      int64_t out_features, int64_t max_rank_sum, int64_t num_threads) {
+                      int64_t num_segments, const int64_t *desc, const float *scales,
+                      int64_t in_features, int64_t out_features, int64_t max_rank,
+                      int64_t num_threads) {
     int failed = 0;
-    int64_t num_rows = 0;
-    for (int64_t g = 0; g < num_segments; g++) num_rows += segments[3 * g + 1] - segments[3 * g];
+    const int64_t num_rows = segments[3 * (num_segments - 1) + 1];
 #pragma omp parallel num_threads(num_threads) if (num_rows > 1)
     {
-        float *scratch = (float *)malloc(sizeof(float) * (max_rank_sum + out_features));
+        float *scratch = (float *)malloc(sizeof(float) * (max_rank + out_features));
         if (scratch == NULL) {
 #pragma omp atomic write
             failed = 1;
@@ -102,11 +96,12 @@ int lora_segments_f32(const float *x, int64_t x_stride, float *y, int64_t y_stri
         for (int64_t n = 0; n < num_rows; n++) {
             int64_t g = 0;
             while (n >= segments[3 * g + 1]) g++;
-            const int64_t *d = desc + segments[3 * g + 2] * DESC_WIDTH;
-            if (scratch != NULL && d[3] > 0) {
+            const int64_t slot = segments[3 * g + 2];
+            if (scratch != NULL) {
                 const int64_t t = token_indices[n];
-                lora_row(x + t * x_stride, y + t * y_stride, d, in_features, out_features,
-                         scratch, scratch + max_rank_sum);
+                lora_row(x + t * x_stride, y + t * y_stride, desc + slot * DESC_WIDTH,
+                         scales + slot * MAX_SLICES, in_features, scratch,
+                         scratch + max_rank);
             }
         }
         free(scratch);
@@ -120,8 +115,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.rms_norm_f32.argtypes = [ptr, i64, ptr, ptr, i64, i64, ctypes.c_float, i64]
     lib.rms_norm_f32.restype = None
-    lib.lora_segments_f32.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, ptr, i64, i64, i64,
-                                      i64]
+    lib.lora_segments_f32.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, ptr, ptr, i64, i64,
+                                      i64, i64]
     lib.lora_segments_f32.restype = ctypes.c_int
 
 
@@ -151,41 +146,44 @@ def lora_segments(
     token_indices: torch.Tensor,
     segments: torch.Tensor,
     desc: torch.Tensor,
-    max_rank_sum: int,
+    scales: torch.Tensor,
+    max_rank: int,
 ) -> None:
     """In place: each segment's rows of y [T, OUT] += their LoRA delta of x [T, IN].
 
-    token_indices [N] long; segments [G, 3] long (start, end, slot); desc
-    [num_slots, DESC_WIDTH] long as `slot_descriptor` writes it, its pointers alive.
+    token_indices [N] long; segments [G >= 1, 3] long (start, end, slot), contiguous
+    from 0; desc [num_slots, DESC_WIDTH] long and scales [num_slots, MAX_SLICES] float32
+    as `slot_descriptor` fills them, the tensors they point to alive.
     """
     lib = _library()
     assert lib is not None, "kernel not available: check available() first"
     assert x.dtype == y.dtype == torch.float32 and x.stride(1) == 1 and y.stride(1) == 1
     assert token_indices.dtype == segments.dtype == desc.dtype == torch.long
     assert segments.is_contiguous() and desc.is_contiguous() and token_indices.is_contiguous()
-    assert desc.shape[1] == DESC_WIDTH, desc.shape
+    assert desc.shape[1] == DESC_WIDTH and scales.shape == (desc.shape[0], MAX_SLICES)
+    assert scales.dtype == torch.float32 and scales.is_contiguous()
     if segments.shape[0] == 0:
         return
     failed = lib.lora_segments_f32(
         x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0), token_indices.data_ptr(),
-        segments.data_ptr(), segments.shape[0], desc.data_ptr(), x.shape[1], y.shape[1],
-        max_rank_sum, torch.get_num_threads(),
+        segments.data_ptr(), segments.shape[0], desc.data_ptr(), scales.data_ptr(),
+        x.shape[1], y.shape[1], max_rank, torch.get_num_threads(),
     )
     if failed:
         raise MemoryError("lora_segments: no memory for its scratch rows")
 
 
 def slot_descriptor(
-    a_t: torch.Tensor,
-    b: torch.Tensor,
-    col_scale: torch.Tensor,
-    slices: tuple[tuple[int, int, int, int, torch.Tensor], ...],
-) -> list[int]:
-    """One slot's row of `desc` for a PackedLoRA (a_t [IN, RS], b [RS, OUT], col_scale
-    [OUT], contiguous float32; slices (offset, rank, lo, hi, _) each)."""
-    assert a_t.is_contiguous() and b.is_contiguous() and col_scale.is_contiguous()
+    slices: tuple[tuple[torch.Tensor, torch.Tensor, float, int, int], ...],
+) -> tuple[list[int], list[float]]:
+    """One slot's rows of `desc` and `scales` for a PackedLoRA's slices (A [r, IN] and B^T
+    [r, OUT_k] contiguous float32, scaling, lo, hi)."""
     assert len(slices) <= MAX_SLICES, len(slices)
-    row = [a_t.data_ptr(), b.data_ptr(), col_scale.data_ptr(), a_t.shape[1]]
-    for off, r, lo, hi, _ in slices:
-        row += [off, r, lo, hi]
-    return row + [0] * (DESC_WIDTH - len(row))
+    row = [len(slices)]
+    scales = []
+    for a, b_t, scaling, lo, hi in slices:
+        assert a.is_contiguous() and b_t.is_contiguous() and a.dtype == b_t.dtype == torch.float32
+        assert a.shape[0] == b_t.shape[0] and b_t.shape[1] == hi - lo, (a.shape, b_t.shape)
+        row += [a.data_ptr(), b_t.data_ptr(), a.shape[0], lo, hi]
+        scales.append(scaling)
+    return row + [0] * (DESC_WIDTH - len(row)), scales + [0.0] * (MAX_SLICES - len(scales))

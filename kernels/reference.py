@@ -334,25 +334,20 @@ def lora_expand(
 
 @dataclass(frozen=True, slots=True)
 class PackedLoRA:
-    """One slot of one LoRA group in the CPU layout: all slices' A in one matrix and all
-    slices' B in one block-diagonal matrix, so a segment of many rows costs two matmuls
-    whatever its number of slices.
+    """One slot of one LoRA group in the CPU layout: for each adapted slice k, its A_k
+    [r_k, IN] and B_k^T [r_k, OUT_k], both contiguous, with its scaling and its column
+    window lo_k:hi_k = slice_offsets[k]:slice_offsets[k + 1] of the group's output.
 
-    a_t        [IN, RS]   RS = the sum of the slot's slice ranks; slice k's A^T fills
-                          columns [off_k, off_k + r_k)
-    b          [RS, OUT]  block-diagonal: slice k's B^T in rows [off_k, off_k + r_k) and
-                          columns lo_k:hi_k = slice_offsets[k]:slice_offsets[k + 1], zeros
-                          elsewhere
-    b_slices   per adapted slice k: (off_k, r_k, lo_k, hi_k, view of b's block k), for
-                          single rows, where reading the zeros would cost more than the
-                          extra matmuls
-    col_scale  [OUT]      slice k's scaling over its columns (0 where no slice is adapted)
+    NOTE: no copy of the adapter. The host cache keeps each B as the transpose of a
+    contiguous B^T (engine/lora/peft.py), so A_k and B_k^T are views of the tensors the
+    host cache holds, and an adapter in a CPU slot costs no memory beyond its host copy.
     """
 
-    a_t: torch.Tensor
-    b: torch.Tensor
-    b_slices: tuple[tuple[int, int, int, int, torch.Tensor], ...]
-    col_scale: torch.Tensor
+    slices: tuple[tuple[torch.Tensor, torch.Tensor, float, int, int], ...]  # a, b_t, s, lo, hi
+
+    @property
+    def num_elements(self) -> int:
+        return sum(a.numel() + b_t.numel() for a, b_t, _, _, _ in self.slices)
 
 
 def pack_lora_slot(
@@ -362,26 +357,17 @@ def pack_lora_slot(
     dtype: torch.dtype,
     device: torch.device | str = "cpu",
 ) -> PackedLoRA | None:
-    """slices[k]: (A [r, IN], B [OUT_k, r], scaling) or None -> PackedLoRA (None if empty)."""
-    present = [(k, s) for k, s in enumerate(slices) if s is not None]
-    if not present:
-        return None
-    in_features = present[0][1][0].shape[1]
-    total_rank = sum(a.shape[0] for _, (a, _, _) in present)
-    a_t = torch.empty(in_features, total_rank, dtype=dtype, device=device)
-    b = torch.zeros(total_rank, slice_offsets[-1], dtype=dtype, device=device)
-    col_scale = torch.zeros(slice_offsets[-1], dtype=dtype, device=device)
-    b_slices: list[tuple[int, int, int, int, torch.Tensor]] = []
-    offset = 0
-    for k, (a, b_k, scaling) in present:
-        r = a.shape[0]
-        lo, hi = slice_offsets[k], slice_offsets[k + 1]
-        a_t[:, offset : offset + r].copy_(a.t())
-        b[offset : offset + r, lo:hi].copy_(b_k.t())
-        b_slices.append((offset, r, lo, hi, b[offset : offset + r, lo:hi]))
-        col_scale[lo:hi] = scaling
-        offset += r
-    return PackedLoRA(a_t=a_t, b=b, b_slices=tuple(b_slices), col_scale=col_scale)
+    """slices[k]: (A [r, IN], B [OUT_k, r], scaling) or None -> PackedLoRA (None if empty).
+    Views of A and B where their layout and dtype allow, copies otherwise."""
+    packed: list[tuple[torch.Tensor, torch.Tensor, float, int, int]] = []
+    for k, piece in enumerate(slices):
+        if piece is None:
+            continue
+        a, b_k, scaling = piece
+        a = a.to(device=device, dtype=dtype).contiguous()
+        b_t = b_k.t().to(device=device, dtype=dtype).contiguous()
+        packed.append((a, b_t, float(scaling), slice_offsets[k], slice_offsets[k + 1]))
+    return PackedLoRA(slices=tuple(packed)) if packed else None
 
 
 def add_lora_packed(
@@ -391,8 +377,9 @@ def add_lora_packed(
     segs: LoRASegments,
 ) -> None:
     """lora_expand(y, lora_shrink(x, ...), ...) over slots in the PackedLoRA layout: the CPU
-    path. For each segment of slot s: y[rows] += ((x[rows] @ a_t) @ b) * col_scale. Same
-    operation order as PEFT (x A^T, then B^T, then the scaling)."""
+    path. For each segment of slot s and each adapted slice k:
+    y[rows, lo_k:hi_k] += ((x[rows] @ A_k^T) @ B_k^T) * scaling_k. Same operation order as
+    PEFT (x A^T, then B^T, then the scaling)."""
     live = [(start, end, packed[slot]) for start, end, slot in segs.segments]
     if all(p is None for _, _, p in live):
         return
@@ -401,14 +388,9 @@ def add_lora_packed(
     for start, end, slot_lora in live:
         if slot_lora is None:
             continue
-        shrunk = torch.mm(rows[start:end], slot_lora.a_t)
-        out = delta[start:end]
-        if end - start == 1 and len(slot_lora.b_slices) > 1:
-            # NOTE: one row (a decode with its own adapter): per-slice matmuls read only the
-            # blocks, not the zeros around them, and write their column window in place.
-            for off, r, lo, hi, b_block in slot_lora.b_slices:
-                torch.mm(shrunk[:, off : off + r], b_block, out=out[:, lo:hi])
-        else:
-            torch.mm(shrunk, slot_lora.b, out=out)
-        out.mul_(slot_lora.col_scale)
+        xs = rows[start:end]
+        for a, b_t, scaling, lo, hi in slot_lora.slices:
+            out = delta[start:end, lo:hi]
+            torch.mm(torch.mm(xs, a.t()), b_t, out=out)
+            out.mul_(scaling)
     y.index_add_(0, segs.token_indices, delta)

@@ -46,8 +46,8 @@ class LoRAGroup:
         num_slices = len(self.slice_sizes)
         self.device, self.dtype = device, dtype
         # NOTE: two layouts of the same weights. On CUDA the slot-stacked buffers the Triton
-        # kernels read (kernels/reference.py); on CPU one PackedLoRA per slot, sized to the
-        # adapter's own ranks: one shrink matmul per segment whatever its number of slices.
+        # kernels read (kernels/reference.py); on CPU one PackedLoRA per slot: views of the
+        # host copy's own A and B^T, sized to the adapter's ranks, nothing copied.
         self.use_kernels = device.type == "cuda" if use_kernels is None else use_kernels
         stacked = (num_slots, num_slices, max_rank, in_features) if self.use_kernels else (0,)
         self.lora_a = torch.zeros(stacked, device=device, dtype=dtype)
@@ -57,9 +57,9 @@ class LoRAGroup:
         # CPU: each slot's PackedLoRA as the fused kernel reads it (kernels/cpu_ops.py);
         # a row of zeros for an empty slot.
         self.cpu_kernel = not self.use_kernels and cpu_ops.available(device, dtype)
-        self.desc = torch.zeros(num_slots if self.cpu_kernel else 0, cpu_ops.DESC_WIDTH,
-                                dtype=torch.int64)
-        self.max_rank_sum = num_slices * max_rank
+        rows = num_slots if self.cpu_kernel else 0
+        self.desc = torch.zeros(rows, cpu_ops.DESC_WIDTH, dtype=torch.int64)
+        self.desc_scales = torch.zeros(rows, cpu_ops.MAX_SLICES, dtype=torch.float32)
         self.ranks = torch.zeros(num_slots, num_slices, dtype=torch.int32, device=device)
         self.scalings = torch.zeros(num_slots, num_slices, dtype=torch.float32, device=device)
         # Host-side "does this slot adapt any slice of this group": a step whose segments
@@ -96,8 +96,9 @@ class LoRAGroup:
             )
             packed = self.packed[slot]
             if self.cpu_kernel and packed is not None:
-                self.desc[slot] = torch.tensor(cpu_ops.slot_descriptor(
-                    packed.a_t, packed.b, packed.col_scale, packed.b_slices), dtype=torch.int64)
+                row, row_scales = cpu_ops.slot_descriptor(packed.slices)
+                self.desc[slot] = torch.tensor(row, dtype=torch.int64)
+                self.desc_scales[slot] = torch.tensor(row_scales, dtype=torch.float32)
         self.ranks[slot] = torch.tensor(ranks, dtype=torch.int32)
         self.scalings[slot] = torch.tensor(scales, dtype=torch.float32)
         self.slot_active[slot] = any(ranks)
@@ -125,7 +126,7 @@ class LoRAGroup:
                 and x.stride(1) == 1 and y.stride(1) == 1):
             # Decode-sized segments: one fused call for every segment of the step.
             cpu_ops.lora_segments(y, x, segs.token_indices, segs.seg_table, self.desc,
-                                  self.max_rank_sum)
+                                  self.desc_scales, self.max_rank)
             return
         if segs.max_seg_len > SMALL_SEGMENT_ROWS or torch.get_num_threads() == 1:
             ref.add_lora_packed(y, x, self.packed, segs)

@@ -181,3 +181,21 @@ def test_slots_install_each_groups_modules_by_name() -> None:
     assert split.ranks[1].tolist() == [0, 2, 0]
     slots.clear(1)
     assert not fused.slot_active[1] and not split.slot_active[1]
+
+
+def test_a_cpu_slot_reads_the_host_copy_in_place() -> None:
+    """The loader's layout (A rows, B as the transpose of contiguous B^T) is installed
+    without a copy: the slot's tensors are the host cache's."""
+    g = torch.Generator().manual_seed(6)
+    modules = [
+        LoRAModule(a=torch.randn(r, IN, generator=g),
+                   b=torch.randn(r, size, generator=g).t(), scaling=1.0)
+        for r, size in zip((4, 2, 3), SLICES, strict=True)
+    ]
+    group = LoRAGroup(2, MAX_RANK, IN, SLICES, device=torch.device("cpu"), dtype=torch.float32)
+    group.set_slot(0, modules)
+    packed = group.packed[0]
+    assert packed is not None and len(packed.slices) == 3
+    for (a, b_t, _, lo, hi), module in zip(packed.slices, modules, strict=True):
+        assert a.data_ptr() == module.a.data_ptr()
+        assert b_t.data_ptr() == module.b.data_ptr() and b_t.shape == (module.rank, hi - lo)

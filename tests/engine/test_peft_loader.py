@@ -167,7 +167,7 @@ def test_dense_delta_equals_peft_merged_weights(
         module = weights.modules[key]
         assert module.scaling == pytest.approx(scaling)
         assert module.a.dtype == module.b.dtype == torch.float32
-        assert module.a.is_contiguous() and module.b.is_contiguous()
+        assert module.a.is_contiguous() and module.b.t().is_contiguous()  # B^T rows
         rotated = _ROPE_ROWS.get(key[1], lambda c: 0)(config)
         if rotated:  # the q and k heads' rows, in the model's pair-interleaved order
             head_rows = interleave_rope_rows(delta[:rotated], config.head_dim)
@@ -269,7 +269,7 @@ def test_name_dtype_and_adapter_name_infix(adapter: Path, gqa_config: ModelConfi
     assert set(infixed.modules) == set(plain.modules)
     for key, module in infixed.modules.items():
         assert module.a.dtype == module.b.dtype == torch.bfloat16
-        assert module.a.is_contiguous() and module.b.is_contiguous()
+        assert module.a.is_contiguous() and module.b.t().is_contiguous()  # B^T rows
         torch.testing.assert_close(module.b, plain.modules[key].b.bfloat16(), rtol=0, atol=0)
         assert module.scaling == plain.modules[key].scaling
 
