@@ -76,9 +76,13 @@ def throughput(
 @click.option("--context-len", default="200-500", show_default=True, help="min-max tokens")
 @click.option("--num-adapters", default=8, show_default=True, help="0: base model only")
 @click.option("--rank", default=16, show_default=True)
+@click.option("--targets", type=click.Choice(["qv", "attention", "all-linear"]),
+              default="attention", show_default=True)
 @click.option("--steps", default=16, show_default=True, help="timed decode steps per round")
 @click.option("--repeats", default=2, show_default=True, help="alternating base/LoRA rounds")
 @click.option("--compare-gather", is_flag=True, help="also alternate kernel / gather steps")
+@click.option("--compare-cpu-ops", is_flag=True,
+              help="also alternate fused CPU kernels / torch ops steps")
 @click.option("--output", type=click.Path(path_type=Path), default=None)
 def roofline(context_len: str, **kwargs: Any) -> None:
     """Matmul peak and memory bandwidth, and a decode step's parts against them."""

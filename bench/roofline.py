@@ -47,6 +47,9 @@ class RooflineOptions:
     # Also time steps alternating between the CPU decode kernel and the gather + SDPA
     # path (kernels/cpu_decode.py) on the same running batch.
     compare_gather: bool = False
+    # Also time steps alternating between the fused CPU kernels (kernels/cpu_ops.py:
+    # RMSNorm, the LoRA rows of decode segments) and the torch ops they replace.
+    compare_cpu_ops: bool = False
     seed: int = 0
     output: Path | None = None
 
@@ -244,23 +247,56 @@ def step_model(core: Any, adapters: list[str | None], num_adapters: int) -> dict
     }
 
 
+def _alternate(
+    core: Any, steps: int, labels: tuple[str, str], switch: Callable[[str], None]
+) -> dict[str, float]:
+    """Median step time under each of two settings, alternating step by step on the same
+    batch (the order flips every pair)."""
+    times: dict[str, list[float]] = {label: [] for label in labels}
+    for i in range(steps):
+        for label in labels if i % 2 == 0 else labels[::-1]:
+            switch(label)
+            start = time.perf_counter()
+            core.step()
+            times[label].append(time.perf_counter() - start)
+    return {k: round(statistics.median(v) * 1000, 2) for k, v in times.items()}
+
+
 def compare_gather(core: Any, steps: int) -> dict[str, float]:
-    """Median step time with decode attention on the kernel and on the gather path,
-    alternating step by step (the order flips every pair)."""
+    """Decode attention on the kernel and on the gather path."""
     from kernels import cpu_decode
 
     real = cpu_decode.available
-    times: dict[str, list[float]] = {"kernel": [], "gather": []}
+
+    def switch(label: str) -> None:
+        cpu_decode.available = real if label == "kernel" else _never
+
     try:
-        for i in range(steps):
-            for label in ("kernel", "gather") if i % 2 == 0 else ("gather", "kernel"):
-                cpu_decode.available = real if label == "kernel" else _never
-                start = time.perf_counter()
-                core.step()
-                times[label].append(time.perf_counter() - start)
+        return _alternate(core, steps, ("kernel", "gather"), switch)
     finally:
         cpu_decode.available = real
-    return {k: round(statistics.median(v) * 1000, 2) for k, v in times.items()}
+
+
+def compare_cpu_ops(core: Any, steps: int) -> dict[str, float]:
+    """RMSNorm and the LoRA rows of decode segments on the fused kernels and on torch."""
+    from kernels import cpu_ops
+
+    real = cpu_ops.available
+    lora = core.runner.lora
+    groups = [g for by_name in lora.groups for g in by_name.values()] if lora else []
+    chosen = [g.cpu_kernel for g in groups]
+
+    def switch(label: str) -> None:
+        fused = label == "fused"
+        cpu_ops.available = real if fused else _never
+        for group, was in zip(groups, chosen, strict=True):
+            group.cpu_kernel = was and fused
+
+    try:
+        return _alternate(core, steps, ("fused", "torch"), switch)
+    finally:
+        switch("fused")
+        cpu_ops.available = real
 
 
 def _never(device: torch.device, dtype: torch.dtype) -> bool:
@@ -307,7 +343,8 @@ def run_roofline(opts: RooflineOptions) -> dict[str, Any]:
     if adapter_names:
         scenarios["lora"] = [adapter_names[i % len(adapter_names)] for i in range(opts.num_seqs)]
     # Enough that none finishes while the others' prefills run; all are aborted after.
-    max_tokens = 4 * (opts.steps * (3 if opts.compare_gather else 1) + opts.profiled_steps) + 64
+    compared_steps = 2 * opts.steps * (int(opts.compare_gather) + int(opts.compare_cpu_ops))
+    max_tokens = 4 * (opts.steps + compared_steps + opts.profiled_steps) + 64
     runs: dict[str, list[float]] = {name: [] for name in scenarios}
     results: dict[str, dict[str, Any]] = {}
     for round_index in range(opts.repeats):
@@ -326,6 +363,7 @@ def run_roofline(opts: RooflineOptions) -> dict[str, Any]:
             model = step_model(core, adapters, len(set(a for a in adapters if a)))
             parts = profile_parts(core, opts.profiled_steps)
             compared = compare_gather(core, opts.steps) if opts.compare_gather else None
+            fused = compare_cpu_ops(core, opts.steps) if opts.compare_cpu_ops else None
             for r in requests:
                 core.abort_request(r.request_id)
             if step_s > min(runs[name]) and name in results:
@@ -349,6 +387,8 @@ def run_roofline(opts: RooflineOptions) -> dict[str, Any]:
             }
             if compared is not None:
                 results[name]["kernel_vs_gather_step_ms"] = compared
+            if fused is not None:
+                results[name]["fused_vs_torch_step_ms"] = fused
             print_row(f"{name} #{round_index}", {
                 "step_ms": round(step_s * 1000, 2),
                 "roofline_fraction": results[name]["roofline_fraction"],
@@ -360,6 +400,7 @@ def run_roofline(opts: RooflineOptions) -> dict[str, Any]:
             "num_seqs": opts.num_seqs, "context_len": list(opts.context_len),
             "num_adapters": opts.num_adapters, "rank": opts.rank, "targets": opts.targets,
             "steps": opts.steps, "repeats": opts.repeats, "threads": torch.get_num_threads(),
+            "compare_gather": opts.compare_gather, "compare_cpu_ops": opts.compare_cpu_ops,
         },
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "matmul_peak_gflops": round(peak, 1),
