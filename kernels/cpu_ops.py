@@ -92,12 +92,22 @@ int lora_segments_f32(const float *x, int64_t x_stride, float *y, int64_t y_stri
 #pragma omp atomic write
             failed = 1;
         }
+        /* Whole segments per thread when there are enough to share out, so that each
+           adapter's weights come from memory once, into one core's cache; else rows. */
+        const int64_t per_segment = num_segments >= 2 * num_threads;
+        const int64_t items = per_segment ? num_segments : num_rows;
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t n = 0; n < num_rows; n++) {
-            int64_t g = 0;
-            while (n >= segments[3 * g + 1]) g++;
+        for (int64_t item = 0; item < items; item++) {
+            int64_t g = 0, first = item, last = item + 1;
+            if (per_segment) {
+                g = item;
+                first = segments[3 * g];
+                last = segments[3 * g + 1];
+            } else {
+                while (item >= segments[3 * g + 1]) g++;
+            }
             const int64_t slot = segments[3 * g + 2];
-            if (scratch != NULL) {
+            for (int64_t n = first; n < last && scratch != NULL; n++) {
                 const int64_t t = token_indices[n];
                 lora_row(x + t * x_stride, y + t * y_stride, desc + slot * DESC_WIDTH,
                          scales + slot * MAX_SLICES, in_features, scratch,
