@@ -234,23 +234,20 @@ class Scheduler:
         ]
         cursor = self.fair.cursor(plan.now, self._gate(plan.held_blocks))
         while plan.budget > 0:
-            best = min(
-                (r for r in running if r.status == RequestStatus.RUNNING),
-                key=lambda r: self.fair.running_key(r, plan.now, self._seq[r.request_id]),
-                default=None,
-            )
+            keyed = [
+                (self.fair.running_key(r, plan.now, self._seq[r.request_id]), r)
+                for r in running if r.status == RequestStatus.RUNNING
+            ]
+            best = min(keyed, key=lambda kr: kr[0], default=None)
             peeked = cursor.peek() if plan.admitting and not plan.memory_short else None
-            if peeked is not None and (
-                best is None
-                or peeked[0] < self.fair.running_key(best, plan.now, self._seq[best.request_id])
-            ):
+            if peeked is not None and (best is None or peeked[0] < best[0]):
                 cursor.advance()
                 plan.admitting = self._try_admit(plan, peeked[1])
                 continue
             if best is None:
                 return
-            running.remove(best)
-            self._schedule_running_prefill(plan, best)
+            running.remove(best[1])
+            self._schedule_running_prefill(plan, best[1])
 
     def _schedule_running_prefill(self, plan: _StepPlan, request: Request) -> None:
         if not self._adapter_fits(request.adapter_key, plan.step_adapters):

@@ -30,7 +30,6 @@ static inline void prefetch_row(const float *p, int64_t n) {
     for (int64_t i = 0; i < n; i += 16) __builtin_prefetch(p + i, 0, 3);
 }
 
-
 typedef struct {
     const float *query;
     int64_t q_stride;

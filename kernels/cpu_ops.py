@@ -32,7 +32,6 @@ _SOURCE = C_DOT + r"""
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 
 /* x [T, H] rows x_stride apart, weight [H], out [T, H] contiguous. */
 void rms_norm_f32(const float *x, int64_t x_stride, const float *weight, float *out,
@@ -49,7 +48,6 @@ void rms_norm_f32(const float *x, int64_t x_stride, const float *weight, float *
 }
 
 #define DESC_WIDTH (1 + 5 * MAX_SLICES)
-
 
 /* One row, slice by slice: y[lo:hi] += ((x . A_k rows) @ B_k^T) * scale_k. shrunk:
    scratch of max_rank floats; delta: scratch of out_features floats. */

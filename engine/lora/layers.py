@@ -17,7 +17,8 @@ from engine.lora.weights import LoRAModule, LoRAWeights
 from kernels import cpu_ops
 from kernels import reference as ref
 
-# Segments of at most this many rows (decode-sized) run their LoRA matmuls single-threaded.
+# Segments of at most this many rows (decode-sized) run in the fused CPU kernel, or
+# without it their LoRA matmuls single-threaded.
 SMALL_SEGMENT_ROWS = 64
 
 

@@ -15,6 +15,7 @@ from engine.lora.weights import LoRAModule
 from engine.models.llama import RMSNorm
 from kernels import cpu_ops
 from kernels import reference as ref
+from tests.engine.test_lora_layers import IN, SLICES, random_modules
 
 CPU = torch.device("cpu")
 
@@ -56,20 +57,6 @@ def test_rms_norm_module_takes_the_kernel_for_rows_and_torch_otherwise(
     assert calls == [1]
 
 
-SLICES = (48, 16, 16)
-IN = 40
-
-
-def _modules(gen: torch.Generator, ranks: list[int]) -> list[LoRAModule | None]:
-    return [
-        None if r == 0 else LoRAModule(
-            a=torch.randn(r, IN, generator=gen), b=torch.randn(SLICES[k], r, generator=gen),
-            scaling=0.25 * (k + 1),
-        )
-        for k, r in enumerate(ranks)
-    ]
-
-
 def _group(slots: dict[int, list[LoRAModule | None]], *, kernel: bool) -> LoRAGroup:
     group = LoRAGroup(6, 64, IN, SLICES, device=CPU, dtype=torch.float32)
     assert group.cpu_kernel
@@ -83,7 +70,7 @@ def _group(slots: dict[int, list[LoRAModule | None]], *, kernel: bool) -> LoRAGr
 def test_lora_segments_kernel_matches_the_packed_matmuls(seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     choices = [[16, 16, 16], [1, 0, 7], [0, 64, 0], [3, 3, 0], [0, 0, 0], [64, 64, 64]]
-    slots = {slot: _modules(gen, choices[(slot + seed) % len(choices)]) for slot in range(6)}
+    slots = {slot: random_modules(gen, choices[(slot + seed) % len(choices)]) for slot in range(6)}
     num_rows = int(torch.randint(1, SMALL_SEGMENT_ROWS, (1,), generator=gen))
     token_slots = torch.randint(-1, 6, (num_rows,), generator=gen).tolist()
     segs = ref.LoRASegments.from_token_slots(token_slots)
@@ -106,11 +93,11 @@ def test_lora_segments_kernel_matches_the_packed_matmuls(seed: int) -> None:
 
 def test_lora_segments_kernel_follows_clears_and_reinstalls() -> None:
     gen = torch.Generator().manual_seed(9)
-    group = _group({1: _modules(gen, [4, 4, 4])}, kernel=True)
+    group = _group({1: random_modules(gen, [4, 4, 4])}, kernel=True)
     x = torch.randn(3, IN, generator=gen)
     segs = ref.LoRASegments.from_token_slots([1, -1, 1])
     assert segs is not None
-    second = _modules(gen, [0, 8, 0])
+    second = random_modules(gen, [0, 8, 0])
     group.set_slot(1, second)
     got = torch.zeros(3, sum(SLICES))
     group.apply(got, x, segs)
@@ -127,7 +114,7 @@ def test_lora_segments_kernel_follows_clears_and_reinstalls() -> None:
 
 def test_long_segments_keep_the_matmuls(monkeypatch: pytest.MonkeyPatch) -> None:
     gen = torch.Generator().manual_seed(3)
-    group = _group({0: _modules(gen, [8, 8, 8])}, kernel=True)
+    group = _group({0: random_modules(gen, [8, 8, 8])}, kernel=True)
     monkeypatch.setattr(cpu_ops, "lora_segments", lambda *a: pytest.fail("kernel called"))
     segs = ref.LoRASegments.from_token_slots([0] * (SMALL_SEGMENT_ROWS + 1))
     assert segs is not None
