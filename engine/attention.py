@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels import cpu_decode
+from kernels import cpu_decode, cpu_ops
 from kernels import reference as ref
 
 
@@ -167,6 +167,17 @@ class AttentionMetadata:
         return self.slot_mapping.shape[0]
 
 
+def _writable_in_one_call(key: torch.Tensor, value: torch.Tensor, cache: LayerKVCache) -> bool:
+    """Each token's heads of key and value [T, KVH, D] are one contiguous row, and the
+    cache's slots too (what `cpu_ops.write_kv` takes)."""
+    head_dim = key.shape[2]
+    return (
+        all(t.stride(2) == 1 and t.stride(1) == head_dim for t in (key, value))
+        and cache.key.is_contiguous()
+        and cache.value.is_contiguous()
+    )
+
+
 def paged_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -176,7 +187,10 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:
     """query [T, H, D], key/value [T, KVH, D] (rope applied) -> [T, H, D]."""
-    ref.write_kv_cache(key, value, cache.key, cache.value, meta.slot_mapping)
+    if cpu_ops.available(key.device, key.dtype) and _writable_in_one_call(key, value, cache):
+        cpu_ops.write_kv(key, value, cache.key, cache.value, meta.slot_mapping)
+    else:
+        ref.write_kv_cache(key, value, cache.key, cache.value, meta.slot_mapping)
     outs: list[torch.Tensor] = []
     if meta.num_decode_tokens and cpu_decode.available(query.device, query.dtype):
         assert meta.decode_block_tables is not None and meta.decode_context_lens is not None

@@ -42,6 +42,30 @@ static inline __attribute__((always_inline)) float dot(const float *restrict a,
 }
 """
 
+# e^x for the kernels' vector loops (libm's expf keeps a loop scalar without -ffast-math).
+C_EXP = r"""
+/* e^x to a few float32 ulps, in plain C that vectorizes: x = n ln2 + r, |r| <= ln2 / 2,
+   e^r by Cephes' polynomial, 2^n by the exponent bits. x is clamped to [-87.3, 88.3] so
+   that 2^n stays normal (e^x below e^-87.3 is 0 to what callers can tell). */
+static inline __attribute__((always_inline)) float exp_f32(float x) {
+    x = x < -87.3f ? -87.3f : x;
+    x = x > 88.3f ? 88.3f : x;
+    /* round to nearest by the 1.5 * 2^23 trick: floorf would keep the loop scalar */
+    const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    float r = x - n * 0.693359375f;
+    r = r + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    const float er = p * (r * r) + r + 1.0f;
+    const union { int32_t i; float f; } scale = {.i = ((int32_t)n + 127) << 23};
+    return er * scale.f;
+}
+"""
+
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC")
 
 

@@ -17,9 +17,9 @@ import ctypes
 
 import torch
 
-from kernels.cpu_build import C_DOT, LazyLibrary
+from kernels.cpu_build import C_DOT, C_EXP, LazyLibrary
 
-_SOURCE = C_DOT + r"""
+_SOURCE = C_DOT + C_EXP + r"""
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -63,19 +63,23 @@ static inline __attribute__((always_inline)) void attend_impl(
                                           : NULL;
         for (int64_t i = 0; i < n; i++) {
             if (next != NULL) prefetch_row(next + i * row, (h1 - h0) * hd);
-            for (int64_t j = 0; j < heads; j++)
-                scores[j * len + t0 + i] = dot(q + j * hd, k + i * row + (j / groups) * hd, hd)
-                                           * a->scale;
+            /* KV head by KV head, its query heads reading the same K in L1 */
+            for (int64_t kh = 0, j = 0; kh < h1 - h0; kh++) {
+                const float *kr = k + i * row + kh * hd;
+                for (int64_t g = 0; g < groups; g++, j++)
+                    scores[j * len + t0 + i] = dot(q + j * hd, kr, hd) * a->scale;
+            }
         }
     }
     for (int64_t j = 0; j < heads; j++) {
         float *p = scores + j * len;
         float m = -INFINITY;
+#pragma omp simd reduction(max : m)
         for (int64_t t = 0; t < len; t++) m = p[t] > m ? p[t] : m;
         float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
         for (int64_t t = 0; t < len; t++) {
-            p[t] = expf(p[t] - m);
+            p[t] = exp_f32(p[t] - m);
             sum += p[t];
         }
         const float inv = 1.0f / sum;
@@ -90,11 +94,13 @@ static inline __attribute__((always_inline)) void attend_impl(
                                 : NULL;
         for (int64_t i = 0; i < n; i++) {
             if (next != NULL) prefetch_row(next + i * row, (h1 - h0) * hd);
-            for (int64_t j = 0; j < heads; j++) {
-                const float p = scores[j * len + t0 + i];
-                const float *restrict vi = v + i * row + (j / groups) * hd;
-                float *restrict oj = o + j * hd;
-                for (int64_t d = 0; d < hd; d++) oj[d] += p * vi[d];
+            for (int64_t kh = 0, j = 0; kh < h1 - h0; kh++) {
+                const float *restrict vi = v + i * row + kh * hd;
+                for (int64_t g = 0; g < groups; g++, j++) {
+                    const float p = scores[j * len + t0 + i];
+                    float *restrict oj = o + j * hd;
+                    for (int64_t d = 0; d < hd; d++) oj[d] += p * vi[d];
+                }
             }
         }
     }

@@ -10,6 +10,13 @@ kernels do each in one call, reading their inputs once:
 - `lora_segments`: y[rows] += ((x[rows] @ A^T) @ B^T) * scaling for every segment of
   a step's LoRA layout, reading the adapters' A and B^T in place (the PackedLoRA layout
   of kernels/reference.py); for decode-sized segments (prefill keeps the matmuls).
+- `silu_mul`: silu(gate) * up from the fused gate/up projection, in one pass (torch's
+  SiLU and multiply are two passes over [T, I], the SiLU a slow one: ~6% of a prefill
+  step).
+- `argmax_rows`: the greedy token of each row of a step's logits (torch's argmax is
+  single-threaded and scalar here: 1.3 ms for 32 x 49,152 logits).
+- `write_kv`: a step's new K and V rows into their cache slots, one call per layer
+  (two `index_copy_` calls cost ~130 us each even for 32 rows).
 
 Built by kernels/cpu_build.py; callers check `available()` and keep the torch path
 otherwise. Results agree with the torch ops to float32 rounding.
@@ -21,14 +28,14 @@ import ctypes
 
 import torch
 
-from kernels.cpu_build import C_DOT, LazyLibrary
+from kernels.cpu_build import C_DOT, C_EXP, LazyLibrary
 
 # Slices per LoRA group at most (Llama's qkv has three); the descriptor's width follows:
 # the number of slices, then (A pointer, B^T pointer, rank, lo, hi) per slice.
 MAX_SLICES = 4
 DESC_WIDTH = 1 + 5 * MAX_SLICES
 
-_SOURCE = C_DOT + r"""
+_SOURCE = C_DOT + C_EXP + r"""
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -45,6 +52,55 @@ void rms_norm_f32(const float *x, int64_t x_stride, const float *weight, float *
         const float inv = (float)(1.0 / sqrt(ss / (double)hidden + (double)eps));
         for (int64_t i = 0; i < hidden; i++) o[i] = (xr[i] * inv) * weight[i];
     }
+}
+
+/* gate_up [T, 2 I] rows stride apart (gate first, then up); out [T, I] contiguous:
+   out = gate / (1 + e^-gate) * up. NaN stays NaN (the clamp leaves the numerator). */
+void silu_mul_f32(const float *gate_up, int64_t stride, float *out, int64_t num_rows,
+                  int64_t inter, int64_t num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (num_rows * inter >= 262144)
+    for (int64_t t = 0; t < num_rows; t++) {
+        const float *restrict g = gate_up + t * stride;
+        const float *restrict u = g + inter;
+        float *restrict o = out + t * inter;
+        for (int64_t i = 0; i < inter; i++) o[i] = g[i] / (1.0f + exp_f32(-g[i])) * u[i];
+    }
+}
+
+/* logits [S, V] rows stride apart -> ids [S]: each row's first largest value, NaN ranked
+   below every number; a row with no number above -inf gets 0. */
+void argmax_rows_f32(const float *logits, int64_t stride, int64_t num_rows, int64_t vocab,
+                     int64_t *ids, int64_t num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (num_rows * vocab >= 262144)
+    for (int64_t s = 0; s < num_rows; s++) {
+        const float *restrict x = logits + s * stride;
+        float m = -INFINITY;
+#pragma omp simd reduction(max : m)
+        for (int64_t i = 0; i < vocab; i++) {
+            const float v = x[i] == x[i] ? x[i] : -INFINITY; /* NaN out first */
+            m = v > m ? v : m;
+        }
+        int64_t best = 0;
+        if (m > -INFINITY)
+            while (x[best] != m) best++;
+        ids[s] = best;
+    }
+}
+
+/* key/value [T, row] rows key_stride / value_stride apart; caches [num_slots, row]
+   contiguous; slots [T]. Returns 1, writing nothing, when a slot is out of range. */
+int write_kv_f32(const float *key, int64_t key_stride, const float *value, int64_t value_stride,
+                 float *key_cache, float *value_cache, const int64_t *slots, int64_t num_tokens,
+                 int64_t row, int64_t num_slots, int64_t num_threads) {
+    for (int64_t t = 0; t < num_tokens; t++)
+        if (slots[t] < 0 || slots[t] >= num_slots) return 1;
+#pragma omp parallel for num_threads(num_threads) if (num_tokens * row >= 262144)
+    for (int64_t t = 0; t < num_tokens; t++) {
+        __builtin_memcpy(key_cache + slots[t] * row, key + t * key_stride, sizeof(float) * row);
+        __builtin_memcpy(value_cache + slots[t] * row, value + t * value_stride,
+                         sizeof(float) * row);
+    }
+    return 0;
 }
 
 #define DESC_WIDTH (1 + 5 * MAX_SLICES)
@@ -126,6 +182,12 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.lora_segments_f32.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, ptr, ptr, i64, i64,
                                       i64, i64]
     lib.lora_segments_f32.restype = ctypes.c_int
+    lib.silu_mul_f32.argtypes = [ptr, i64, ptr, i64, i64, i64]
+    lib.silu_mul_f32.restype = None
+    lib.argmax_rows_f32.argtypes = [ptr, i64, i64, i64, ptr, i64]
+    lib.argmax_rows_f32.restype = None
+    lib.write_kv_f32.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64]
+    lib.write_kv_f32.restype = ctypes.c_int
 
 
 _library = LazyLibrary("cpu_ops", _SOURCE, _declare).get
@@ -146,6 +208,68 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     lib.rms_norm_f32(x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(),
                      x.shape[0], x.shape[1], eps, torch.get_num_threads())
     return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [T, 2 I] float32 (rows with unit stride) -> new [T, I]: silu(gate) * up."""
+    lib = _library()
+    assert lib is not None, "kernel not available: check available() first"
+    assert gate_up.dim() == 2 and gate_up.stride(1) == 1 and gate_up.shape[1] % 2 == 0
+    assert gate_up.dtype == torch.float32, gate_up.dtype
+    num_rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(num_rows, inter, dtype=gate_up.dtype)
+    lib.silu_mul_f32(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), num_rows, inter,
+                     torch.get_num_threads())
+    return out
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """logits [S, V] float32 (rows with unit stride) -> [S] long: each row's first largest
+    value, a NaN never winning over a number; a row of NaN and -inf only gets 0."""
+    lib = _library()
+    assert lib is not None, "kernel not available: check available() first"
+    assert logits.dim() == 2 and logits.stride(1) == 1 and logits.dtype == torch.float32
+    num_rows, vocab = logits.shape
+    ids = torch.empty(num_rows, dtype=torch.long)
+    if num_rows and vocab:
+        lib.argmax_rows_f32(logits.data_ptr(), logits.stride(0), num_rows, vocab, ids.data_ptr(),
+                            torch.get_num_threads())
+    else:
+        ids.zero_()
+    return ids
+
+
+def write_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """`reference.write_kv_cache` in one call: key, value [T, KVH, D] float32 (each token's
+    heads contiguous) into slots slot_mapping [T] of the contiguous caches [NB, BS, KVH, D]."""
+    lib = _library()
+    assert lib is not None, "kernel not available: check available() first"
+    num_tokens, num_kv_heads, head_dim = key.shape
+    row = num_kv_heads * head_dim
+    for t in (key, value):
+        assert t.dtype == torch.float32 and t.shape == key.shape, (t.dtype, t.shape)
+        assert t.stride(2) == 1 and t.stride(1) == head_dim, t.stride()
+    for c in (key_cache, value_cache):
+        assert c.dtype == torch.float32 and c.is_contiguous() and c.shape == key_cache.shape
+        assert c.shape[2] * c.shape[3] == row, (c.shape, key.shape)
+    assert slot_mapping.dtype == torch.long and slot_mapping.is_contiguous()
+    assert slot_mapping.shape == (num_tokens,), (slot_mapping.shape, key.shape)
+    if num_tokens == 0:
+        return
+    num_slots = key_cache.shape[0] * key_cache.shape[1]
+    failed = lib.write_kv_f32(
+        key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), key_cache.data_ptr(),
+        value_cache.data_ptr(), slot_mapping.data_ptr(), num_tokens, row, num_slots,
+        torch.get_num_threads(),
+    )
+    if failed:
+        raise IndexError(f"write_kv: a slot outside the cache's {num_slots}")
 
 
 def lora_segments(

@@ -100,8 +100,11 @@ class LlamaMLP(nn.Module):
         gate_up = self.gate_up_proj(x)  # [T, 2 I]
         if lora is not None and self.gate_up_lora is not None:
             self.gate_up_lora.apply(gate_up, x, lora)
-        gate, up = gate_up[:, : self.intermediate_size], gate_up[:, self.intermediate_size :]
-        h = F.silu(gate).mul_(up)  # [T, I] contiguous: one temporary, not two
+        if gate_up.stride(1) == 1 and cpu_ops.available(gate_up.device, gate_up.dtype):
+            h = cpu_ops.silu_mul(gate_up)  # one pass, not two
+        else:
+            inter = self.intermediate_size
+            h = F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])  # one temporary, not two
         y = self.down_proj(h)
         if lora is not None and self.down_lora is not None:
             self.down_lora.apply(y, h, lora)

@@ -2,13 +2,17 @@
 
 RMSNorm on rows that are views, odd widths and extreme magnitudes; the LoRA segments
 kernel on random layouts (adapters on some slices only, ranks 1-64, base rows between
-adapted ones, cleared and re-filled slots), through LoRAGroup.apply as the model calls it.
+adapted ones, cleared and re-filled slots), through LoRAGroup.apply as the model calls it;
+SiLU-and-multiply over the whole float range, the K/V write against `index_copy_` (and a
+slot outside the cache refused), and the greedy argmax against torch's ranking with NaN,
+infinities and ties.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from engine.lora.layers import SMALL_SEGMENT_ROWS, LoRAGroup
 from engine.lora.weights import LoRAModule
@@ -55,6 +59,68 @@ def test_rms_norm_module_takes_the_kernel_for_rows_and_torch_otherwise(
     norm(torch.randn(2, 5, 16))  # not [T, H]: the torch op
     norm(torch.randn(5, 16).to(torch.bfloat16).float().t().contiguous().t())  # column-major
     assert calls == [1]
+
+
+@pytest.mark.parametrize(("rows", "inter"), [(1, 1536), (3, 7), (300, 1536)])
+def test_silu_mul_matches_torch(rows: int, inter: int) -> None:
+    gen = torch.Generator().manual_seed(rows + inter)
+    gate_up = torch.randn(rows, 2 * inter + 5, generator=gen)[:, 5:] * 8  # strided rows
+    edge = torch.tensor([0.0, -0.0, 1e-30, -1e-30, 20.0, -20.0, 80.0, -80.0, 87.0, -87.0])
+    gate_up[0, : min(inter, edge.numel())] = edge[:inter]
+    got = cpu_ops.silu_mul(gate_up)
+    want = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+    assert got.shape == (rows, inter) and got.is_contiguous()
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-30)
+
+
+def test_silu_mul_exp_is_float32_accurate_over_the_range() -> None:
+    x = torch.linspace(-87.0, 88.0, 1_000_001)
+    gate_up = torch.stack([x, torch.ones_like(x)], dim=1).contiguous()
+    got = cpu_ops.silu_mul(gate_up)[:, 0].double()
+    exact = F.silu(x.double())
+    relative = (got - exact).abs() / exact.abs().clamp_min(1e-300)
+    assert relative.max().item() < 4e-7  # a few float32 ulps
+    assert cpu_ops.silu_mul(torch.tensor([[float("nan"), 2.0]])).isnan().all()
+    big = cpu_ops.silu_mul(torch.tensor([[1e4, 2.0], [-1e4, 2.0]]))
+    assert big[0, 0].item() == 2e4 and -1e-30 < big[1, 0].item() <= 0.0
+
+
+def test_write_kv_matches_index_copy_and_refuses_a_slot_outside() -> None:
+    gen = torch.Generator().manual_seed(3)
+    qkv = torch.randn(40, 15 * 64, generator=gen)
+    key = qkv[:, 9 * 64 : 12 * 64].view(40, 3, 64)  # views with a token stride, as the model's
+    value = qkv[:, 12 * 64 :].view(40, 3, 64)
+    slots = torch.randperm(20 * 16, generator=gen)[:40]
+    got = [torch.zeros(20, 16, 3, 64) for _ in range(2)]
+    want = [torch.zeros(20, 16, 3, 64) for _ in range(2)]
+    cpu_ops.write_kv(key, value, got[0], got[1], slots)
+    ref.write_kv_cache(key, value, want[0], want[1], slots)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    before = [t.clone() for t in got]
+    for bad in (20 * 16, -1):
+        with pytest.raises(IndexError):
+            cpu_ops.write_kv(key[:2], value[:2], got[0], got[1], torch.tensor([0, bad]))
+    assert all(torch.equal(a, b) for a, b in zip(got, before, strict=True))  # nothing written
+
+
+def test_argmax_rows_ranks_as_the_sampler_does() -> None:
+    gen = torch.Generator().manual_seed(4)
+    logits = torch.randn(9, 49152, generator=gen)
+    nan, inf = float("nan"), float("inf")
+    logits[0, 5] = nan  # a NaN never wins over a number
+    logits[1] = nan  # NaN only: a valid id
+    logits[2] = -inf
+    logits[2, 7] = nan
+    logits[3, 100] = logits[3, 200] = inf  # the first of equal maxima
+    logits[4, 10] = logits[4, 20] = 99.0
+    logits[5] = -inf
+    logits[5, 49151] = -1.0
+    got = cpu_ops.argmax_rows(logits[:, 1:])  # rows with a stride
+    want = logits[:, 1:].nan_to_num(nan=-inf, posinf=inf, neginf=-inf).argmax(dim=-1)
+    assert got.tolist() == want.tolist()
+    assert got[:6].tolist() == [logits[0, 1:].nan_to_num(nan=-inf).argmax().item(), 0, 0, 99,
+                                9, 49150]
+    assert cpu_ops.argmax_rows(torch.empty(0, 5)).shape == (0,)
 
 
 def _group(slots: dict[int, list[LoRAModule | None]], *, kernel: bool) -> LoRAGroup:

@@ -20,6 +20,7 @@ from engine.model_loader import parse_model_config
 from engine.model_runner import ModelRunner
 from engine.models.llama import rope_inv_freq_for
 from engine.request import Request, SamplingParams, ScheduledChunk, SchedulerOutput
+from kernels import cpu_ops
 from kernels import reference as ref
 from tests.utils.tiny_models import BASE_SETTINGS, VARIANTS, random_prompt
 
@@ -277,6 +278,41 @@ def test_tiny_greedy_matches_transformers(variant: str, tiny_model_factory) -> N
     for name in prompts:
         assert len(expected[name]) == max_new  # no early EOS: the whole run is compared
         assert ours[name] == expected[name], name
+
+
+@pytest.mark.parametrize("kernels", [True, False], ids=["cpu-kernels", "torch-ops"])
+def test_the_cpu_kernels_and_the_torch_ops_both_match_transformers(
+    kernels: bool, tiny_model_factory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fused CPU kernels (SiLU-and-multiply, the K/V write, RMSNorm) are what the model
+    runs when they build, and the torch ops they replace give the same greedy tokens."""
+    if kernels and not cpu_ops.available(torch.device("cpu"), torch.float32):
+        pytest.skip("no C compiler for the CPU kernels")
+    calls: dict[str, int] = {"silu_mul": 0, "write_kv": 0}
+    for name in calls:
+        real = getattr(cpu_ops, name)
+
+        def counting(*args: object, _real=real, _name=name) -> object:
+            calls[_name] += 1
+            return _real(*args)
+
+        monkeypatch.setattr(cpu_ops, name, counting)
+    if not kernels:
+        monkeypatch.setattr(cpu_ops, "available", lambda device, dtype: False)
+    model_dir = tiny_model_factory("llama_gqa")
+    prompts = {"a": random_prompt(30, seed=7), "b": random_prompt(12, seed=8),
+               "d": random_prompt(19, seed=9)}
+    prompts["c"] = prompts["a"][:24] + random_prompt(5, seed=10)
+    runner = ModelRunner(
+        EngineConfig(device="cpu", block_size=8, kv_cache_tokens=512, max_num_seqs=4),
+        model_dir,
+    )
+    ours, _ = run_scenario(runner, prompts, chunk_size=10, max_new_tokens=12)
+    assert ours == hf_greedy(model_dir, prompts, 12)
+    if kernels:
+        assert calls["silu_mul"] > 0 and calls["write_kv"] > 0, calls
+    else:
+        assert calls == {"silu_mul": 0, "write_kv": 0}
 
 
 @pytest.mark.slow

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from engine import sampler as sampler_module
 from engine.request import GREEDY_TEMPERATURE, Request, SamplingParams
 from engine.sampler import MIN_LOGPROB, Sampler
 
@@ -142,8 +144,22 @@ def test_nan_and_infinite_parameters_are_refused() -> None:
                 raise AssertionError(f"{name}={value} was accepted")
 
 
-def test_greedy_never_picks_a_nan() -> None:
-    """torch's argmax ranks NaN above every number; the plain greedy batch must not."""
+@pytest.mark.parametrize("kernel", [True, False], ids=["cpu-kernel", "torch"])
+def test_greedy_never_picks_a_nan(kernel: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch's argmax ranks NaN above every number; the plain greedy batch must not, on
+    the CPU kernel's path or torch's (CUDA, half precision, no compiler)."""
+    if not kernel:
+        monkeypatch.setattr(sampler_module.cpu_ops, "available", lambda device, dtype: False)
+    elif not sampler_module.cpu_ops.available(torch.device("cpu"), torch.float32):
+        pytest.skip("no C compiler for the CPU kernels")
+    calls: list[int] = []
+    real = sampler_module.cpu_ops.argmax_rows
+
+    def counting(logits: torch.Tensor) -> torch.Tensor:
+        calls.append(logits.shape[0])
+        return real(logits)
+
+    monkeypatch.setattr(sampler_module.cpu_ops, "argmax_rows", counting)
     logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(5))
     logits[0, 17] = math.nan
     logits[1] = math.nan
@@ -151,3 +167,4 @@ def test_greedy_never_picks_a_nan() -> None:
     results = Sampler()(logits.clone(), [_request(0, greedy, []), _request(1, greedy, [])])
     assert results[0].token_id == int(logits[0].nan_to_num(nan=-math.inf).argmax())
     assert 0 <= results[1].token_id < VOCAB
+    assert calls == ([2] if kernel else [])
