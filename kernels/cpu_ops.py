@@ -11,12 +11,12 @@ kernels do each in one call, reading their inputs once:
   a step's LoRA layout, reading the adapters' A and B^T in place (the PackedLoRA layout
   of kernels/reference.py); for decode-sized segments (prefill keeps the matmuls).
 - `silu_mul`: silu(gate) * up from the fused gate/up projection, in one pass (torch's
-  SiLU and multiply are two passes over [T, I], the SiLU a slow one: ~6% of a prefill
-  step).
+  SiLU and multiply are two passes over [T, I]; 1.0 against 1.5-1.9 ms at 2,048 rows).
 - `argmax_rows`: the greedy token of each row of a step's logits (torch's argmax is
-  single-threaded and scalar here: 1.3 ms for 32 x 49,152 logits).
+  single-threaded and scalar here: 1.85 against 0.40 ms for 32 x 49,152 logits).
 - `write_kv`: a step's new K and V rows into their cache slots, one call per layer
-  (two `index_copy_` calls cost ~130 us each even for 32 rows).
+  instead of two `index_copy_` calls (10 against 16 us for 32 rows; in a real step both
+  pay the cache misses and first-touch page faults of the slots they write).
 
 Built by kernels/cpu_build.py; callers check `available()` and keep the torch path
 otherwise. Results agree with the torch ops to float32 rounding.
