@@ -27,6 +27,7 @@ from app.server_options import (
 )
 from engine.client import EngineClient
 from engine.config import EngineConfig
+from engine.host_memory import share_one_heap
 
 logger = logging.getLogger("loraplex")
 
@@ -78,6 +79,9 @@ async def serve_engine(
 @click.version_option(package_name="loraplex")
 def main() -> None:
     """loraplex: one base model, many LoRA adapters, an OpenAI-compatible API."""
+    # Before any import starts a thread: the engine's step thread allocates from the main
+    # heap (engine/host_memory.py); AsyncEngine asks again, for other embeddings.
+    share_one_heap()
 
 
 @main.command()

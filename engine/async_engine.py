@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import threading
@@ -24,10 +25,12 @@ from engine.client import (
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore
 from engine.errors import EngineDeadError
+from engine.host_memory import share_one_heap
 from engine.model_loader import ModelConfig
 from engine.models.registry import model_class_for
 from engine.request import EngineRequest, RequestOutput, TenantContext
 from engine.structured import CompiledGrammar, GrammarCompiler, StructuredOutput
+from engine.threads import single_core_executor
 
 log = logging.getLogger("loraplex.engine")
 
@@ -65,22 +68,45 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._failure: str | None = None  # why the engine stopped serving for good
+        # Adapter directories are read and checked here: off the event loop and the step
+        # thread, with torch on one core (engine/threads.py).
+        self._adapter_reads = single_core_executor(2, "loraplex-adapter-read")
 
     # -- lifecycle ---------------------------------------------------------------------
 
     async def start(self) -> None:
-        self._core = await asyncio.to_thread(EngineCore, self.config, wakeup=self._wake)
-        self.start_loop()
+        """Start the step thread, which loads the model; returns once it is loaded (or
+        raises what loading raised)."""
+        await asyncio.wrap_future(self._start_thread())
 
     def start_sync(self) -> None:
-        """Load the model and start the step thread from synchronous code."""
-        self._core = EngineCore(self.config, wakeup=self._wake)
-        self.start_loop()
+        """`start` from synchronous code."""
+        self._start_thread().result()
 
-    def start_loop(self) -> None:
-        assert self._core is not None
-        self._thread = threading.Thread(target=self._run, name="loraplex-engine", daemon=True)
+    def _start_thread(self) -> concurrent.futures.Future[None]:
+        assert self._thread is None, "engine already started"
+        share_one_heap()  # before the step thread's first allocation (host_memory.py)
+        loaded: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._thread = threading.Thread(
+            target=self._load_and_run, args=(loaded,), name="loraplex-engine", daemon=True
+        )
         self._thread.start()
+        return loaded
+
+    def _load_and_run(self, loaded: concurrent.futures.Future[None]) -> None:
+        # NOTE: the model is built on the thread that steps it. On the CPU each thread that
+        # runs parallel torch ops gets an OpenMP team of its own, and once a process has
+        # more OpenMP threads than cores, libgomp stops spinning between parallel regions:
+        # every small op of a step then waits for its team to be woken (a decode step
+        # measured ~10% slower). Other threads' torch work runs on one core (see
+        # engine/threads.py).
+        try:
+            self._core = EngineCore(self.config, wakeup=self._wake)
+        except BaseException as exc:
+            loaded.set_exception(exc)
+            return
+        loaded.set_result(None)
+        self._run()
 
     async def shutdown(self) -> None:
         with self._lock:
@@ -88,6 +114,7 @@ class AsyncEngine:
             self._lock.notify_all()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 30.0)
+        self._adapter_reads.shutdown(wait=False, cancel_futures=True)
         if self._core is not None and self._core.adapter_cache is not None:
             self._core.adapter_cache.close()
         if self._core is not None:
@@ -173,7 +200,9 @@ class AsyncEngine:
 
     async def add_adapter(self, name: str, path: str) -> AdapterInfo:
         # Reading and validating the files runs off both the event loop and the step loop.
-        weights = await asyncio.to_thread(self.core.load_adapter, name, path)
+        weights = await asyncio.get_running_loop().run_in_executor(
+            self._adapter_reads, self.core.load_adapter, name, path
+        )
         info = self.core.register_adapter(name, weights)
         self._wake()
         return info

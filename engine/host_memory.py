@@ -16,6 +16,7 @@ log = logging.getLogger("loraplex.engine")
 # glibc mallopt parameters (malloc.h).
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
+_M_ARENA_MAX = -8
 _KEEP_BYTES = 1 << 30
 
 
@@ -66,6 +67,24 @@ def keep_freed_activation_memory() -> bool:
     if not ok:
         log.info("mallopt refused the allocator settings; keeping glibc defaults")
     return ok
+
+
+def share_one_heap() -> bool:
+    """Have every thread created from now on allocate from the main heap (one arena).
+
+    NOTE: glibc gives threads heaps of their own (up to eight per core), each at most
+    64 MiB and unmapped again as soon as it is empty. The engine steps on a thread of its
+    own, and a step frees everything it allocated: a prefill step's activations then
+    land in fresh heaps that are unmapped at its end, and every step page-faults them in
+    again. Measured over a 32-request burst stepped on a thread: 310-380 thousand page
+    faults against 130-140 thousand on the main heap, the prefill steps ~5% slower. Call
+    it before the step thread starts, best before any thread is started (a thread that
+    already has a heap keeps it). Returns whether it applied (glibc on Linux only).
+    """
+    libc = _libc()
+    if libc is None or not hasattr(libc, "mallopt"):
+        return False
+    return bool(libc.mallopt(_M_ARENA_MAX, 1))
 
 
 # A quiet spell this long after a step ends a burst: the freed heap goes back then.

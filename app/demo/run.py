@@ -24,6 +24,7 @@ from app.main import create_app
 from app.server_options import DrainingServer
 from engine.config import EngineConfig
 from engine.model_loader import resolve_model
+from engine.threads import on_passing_thread
 
 logger = logging.getLogger("loraplex.demo")
 
@@ -37,7 +38,13 @@ def prepare_adapters(
 ) -> list[TrainedAdapter]:
     """The bundled model converted (once) and the demo adapters trained on it (once)."""
     base_dir = resolve_model("default", settings.data_dir)
-    trained = ensure_trained(DEMO_ADAPTERS, base_dir, demo_dir(settings) / "adapters", echo=echo)
+    # NOTE: on a thread that ends with the training, so that its OpenMP team goes too
+    # and the engine's step thread is left the only one (engine/threads.py).
+    trained = on_passing_thread(
+        lambda: ensure_trained(DEMO_ADAPTERS, base_dir, demo_dir(settings) / "adapters",
+                               echo=echo),
+        name="loraplex-demo-train",
+    )
     gc.collect()  # the training model's memory goes back before the engine loads
     return trained
 

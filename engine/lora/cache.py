@@ -42,6 +42,7 @@ from dataclasses import dataclass
 
 from engine.lora.weights import LoRAWeights
 from engine.stats import AdapterCacheStats, LatencyHistogram
+from engine.threads import single_core_executor
 
 # Upper bounds (seconds) of the load-latency histogram buckets; +Inf is added after them.
 LOAD_LATENCY_BOUNDS: tuple[float, ...] = (
@@ -108,9 +109,7 @@ class AdapterCache:
         # NOTE: only an executor the cache created is shut down by close(); a given one may
         # be shared, so close() only cancels the loads the cache submitted to it.
         self._owns_executor = executor is None
-        self._executor = executor or concurrent.futures.ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="loraplex-adapter-load"
-        )
+        self._executor = executor or single_core_executor(1, "loraplex-adapter-load")
         self._lock = threading.Lock()
         self._entries: dict[str, _Entry] = {}
         self._retired: dict[str, _Entry] = {}  # removed, still pinned or reserved
