@@ -79,8 +79,9 @@ async def serve_engine(
 @click.version_option(package_name="loraplex")
 def main() -> None:
     """loraplex: one base model, many LoRA adapters, an OpenAI-compatible API."""
-    # Before any import starts a thread: the engine's step thread allocates from the main
-    # heap (engine/host_memory.py); AsyncEngine asks again, for other embeddings.
+    # As early as the command can: threads started from here on allocate from the main
+    # heap (engine/host_memory.py). AsyncEngine asks again, for programs that start it
+    # without this command.
     share_one_heap()
 
 
