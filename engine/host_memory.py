@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import functools
 import logging
 import sys
 import threading
@@ -20,6 +21,7 @@ _M_ARENA_MAX = -8
 _KEEP_BYTES = 1 << 30
 
 
+@functools.cache  # looked up once: find_library runs ldconfig
 def _libc() -> ctypes.CDLL | None:
     if not sys.platform.startswith("linux"):
         return None

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import ctypes
+import functools
 import logging
 import threading
 from collections.abc import Callable
@@ -27,25 +28,19 @@ T = TypeVar("T")
 log = logging.getLogger("loraplex.engine")
 
 _local = threading.local()
-_omp_set_num_threads: Callable[[int], None] | None = None
-_looked_up = False
-_lookup_lock = threading.Lock()
 
 
+@functools.cache
 def _omp_setter() -> Callable[[int], None] | None:
     """libgomp's omp_set_num_threads, from the copy torch loaded; None without one."""
-    global _omp_set_num_threads, _looked_up
-    with _lookup_lock:
-        if not _looked_up:
-            _looked_up = True
-            try:
-                # NOTE: by soname, so the library torch already loaded is the one found.
-                setter = ctypes.CDLL("libgomp.so.1").omp_set_num_threads
-                setter.argtypes, setter.restype = [ctypes.c_int], None
-                _omp_set_num_threads = setter
-            except (OSError, AttributeError):
-                log.info("no libgomp: off-step torch work keeps torch's thread count")
-    return _omp_set_num_threads
+    try:
+        # NOTE: by soname, so the library torch already loaded is the one found.
+        setter = ctypes.CDLL("libgomp.so.1").omp_set_num_threads
+    except (OSError, AttributeError):
+        log.info("no libgomp: off-step torch work keeps torch's thread count")
+        return None
+    setter.argtypes, setter.restype = [ctypes.c_int], None
+    return setter
 
 
 def use_one_intraop_thread() -> bool:

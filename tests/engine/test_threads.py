@@ -36,14 +36,6 @@ def two_threads() -> Iterator[None]:
     torch.set_num_threads(before)
 
 
-def _on_new_thread(work: Callable[[], Any]) -> Any:
-    out: list[Any] = []
-    thread = threading.Thread(target=lambda: out.append(work()))
-    thread.start()
-    thread.join()
-    return out[0]
-
-
 def test_one_intraop_thread_is_for_the_calling_thread_only(two_threads: None) -> None:
     def confined() -> tuple[int, int, bool]:
         before = torch.get_num_threads()
@@ -51,9 +43,9 @@ def test_one_intraop_thread_is_for_the_calling_thread_only(two_threads: None) ->
         assert use_one_intraop_thread()  # again: nothing changes
         return before, torch.get_num_threads(), applied
 
-    assert _on_new_thread(confined) == (2, 1, True)
+    assert on_passing_thread(confined) == (2, 1, True)
     assert torch.get_num_threads() == 2
-    assert _on_new_thread(torch.get_num_threads) == 2  # a later thread is not confined
+    assert on_passing_thread(torch.get_num_threads) == 2  # a later thread is not confined
 
 
 def test_a_single_core_executor_runs_torch_on_its_own_thread(two_threads: None) -> None:
