@@ -1,6 +1,7 @@
 # loraplex: `make demo` runs the server on embedded defaults, `make test` runs the tests.
 PYTHON ?= python3
 VENV ?= .venv
+DEMO_ARGS ?=
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
@@ -20,7 +21,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: install
-	$(BIN)/loraplex demo
+	$(BIN)/loraplex demo $(DEMO_ARGS)
 
 serve: install
 	$(BIN)/loraplex serve --no-auth
@@ -41,7 +42,7 @@ test-fast: install
 	$(BIN)/pytest -q -ra -m "not slow"
 
 lint: install
-	$(BIN)/ruff check app engine kernels bench tests
+	$(BIN)/ruff check app engine loraplex_kernels bench tests
 	$(BIN)/mypy
 	$(BIN)/lint-imports --no-cache --no-logo
 

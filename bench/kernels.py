@@ -3,7 +3,7 @@
 For SmolLM2-135M's LoRA groups (qkv, gate_up, down) and T tokens whose adapters are all
 the same (identical) or all different (distinct): lora_shrink and lora_expand timed with
 CUDA events (warmup, then the median of N runs), against, in the same process and on the
-same GPU tensors, the torch reference (kernels/reference.py: one matmul per segment and
+same GPU tensors, the torch reference (loraplex_kernels/reference.py: one matmul per segment and
 slice) and a dense "gather-bmm" baseline that copies every token's slot buffers and pads
 every adapter to the buffers' max rank.
 """
@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from kernels import reference as ref
-from kernels.reference import LoRASegments
+from loraplex_kernels import reference as ref
+from loraplex_kernels.reference import LoRASegments
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 POPULARITIES = ("identical", "distinct", "skewed")
@@ -123,8 +123,8 @@ def run_kernels(opts: KernelsOptions) -> dict[str, object]:
             file=sys.stderr,
         )
         raise SystemExit(2)
-    from kernels.lora_expand import lora_expand
-    from kernels.lora_shrink import lora_shrink
+    from loraplex_kernels.lora_expand import lora_expand
+    from loraplex_kernels.lora_shrink import lora_shrink
 
     dtype = getattr(torch, opts.dtype)
     report: dict[str, object] = {

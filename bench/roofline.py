@@ -45,9 +45,9 @@ class RooflineOptions:
     profiled_steps: int = 3
     repeats: int = 2  # alternating rounds of base / adapters; the best step is kept
     # Also time steps alternating between the CPU decode kernel and the gather + SDPA
-    # path (kernels/cpu_decode.py) on the same running batch.
+    # path (loraplex_kernels/cpu_decode.py) on the same running batch.
     compare_gather: bool = False
-    # Also time steps alternating between the fused CPU kernels (kernels/cpu_ops.py:
+    # Also time steps alternating between the fused CPU kernels (loraplex_kernels/cpu_ops.py:
     # RMSNorm, the LoRA rows of decode segments) and the torch ops they replace.
     compare_cpu_ops: bool = False
     seed: int = 0
@@ -139,7 +139,7 @@ def _scoped(core: Any) -> Iterator[None]:
     ]
     names = ["prepare_inputs", "lora", "attention", "norms", "rope", "lm_head", "sampling"]
     try:  # trees without the CPU decode kernel profile without it
-        from kernels import cpu_decode
+        from loraplex_kernels import cpu_decode
 
         patches.append(
             (cpu_decode, "paged_decode_attention", cpu_decode.paged_decode_attention)
@@ -264,7 +264,7 @@ def _alternate(
 
 def compare_gather(core: Any, steps: int) -> dict[str, float]:
     """Decode attention on the kernel and on the gather path."""
-    from kernels import cpu_decode
+    from loraplex_kernels import cpu_decode
 
     real = cpu_decode.available
 
@@ -279,7 +279,7 @@ def compare_gather(core: Any, steps: int) -> dict[str, float]:
 
 def compare_cpu_ops(core: Any, steps: int) -> dict[str, float]:
     """RMSNorm and the LoRA rows of decode segments on the fused kernels and on torch."""
-    from kernels import cpu_ops
+    from loraplex_kernels import cpu_ops
 
     real = cpu_ops.available
     lora = core.runner.lora

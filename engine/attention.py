@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels import cpu_decode, cpu_ops
-from kernels import reference as ref
+from loraplex_kernels import cpu_decode, cpu_ops
+from loraplex_kernels import reference as ref
 
 
 @dataclass(slots=True)

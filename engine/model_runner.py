@@ -28,7 +28,7 @@ from engine.models.registry import model_class_for
 from engine.placement.memory import KVCacheBudget, kv_cache_budget
 from engine.request import ScheduledChunk, SchedulerOutput
 from engine.step_profile import run_largest_step
-from kernels.reference import LoRASegments
+from loraplex_kernels.reference import LoRASegments
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from engine.request import Request, SamplingParams, TokenLogprob
-from kernels import cpu_ops
+from loraplex_kernels import cpu_ops
 
 
 @dataclass(slots=True)

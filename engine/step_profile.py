@@ -11,7 +11,7 @@ from engine.lora.layers import LoRASlots
 from engine.lora.weights import LoRAModule, LoRAWeights
 from engine.models.base import CausalLM
 from engine.models.config import ModelConfig
-from kernels.reference import LoRASegments
+from loraplex_kernels.reference import LoRASegments
 
 
 def run_largest_step(

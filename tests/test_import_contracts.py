@@ -14,7 +14,7 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parents[1]
 LINT_IMPORTS = Path(sys.executable).parent / "lint-imports"
 
-LAYERS = "Layers: admin_ui above app above engine above kernels"
+LAYERS = "Layers: admin_ui above app above engine above loraplex_kernels"
 NO_BENCH = "Nothing imports bench"
 HTTP_LAYER = "Only the entry points import the HTTP layer (app.api, app.main)"
 REMOTE_ENGINE = "The app names neither the remote engine nor the adapter cache"

@@ -1,5 +1,5 @@
 """The kernel steps of the GPU check: the kernel tests, lora_shrink / lora_expand against
-kernels/reference.py at serving shapes, and their achieved memory bandwidth."""
+loraplex_kernels/reference.py at serving shapes, and their achieved memory bandwidth."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 from bench.kernels import LoRAGroupShape, LoRAProblem, cuda_time_us
-from kernels import reference as ref
-from kernels.reference import LoRASegments
+from loraplex_kernels import reference as ref
+from loraplex_kernels.reference import LoRASegments
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # (rtol, atol) per dtype, as in tests/kernels: 16-bit y is stored rounded, and compiled
@@ -107,13 +107,13 @@ def make_mixed_problem(
 
 
 def _shrink(p: LoRAProblem) -> torch.Tensor:
-    from kernels.lora_shrink import lora_shrink
+    from loraplex_kernels.lora_shrink import lora_shrink
 
     return lora_shrink(p.x, p.lora_a, p.ranks, p.segs)
 
 
 def _expand(p: LoRAProblem) -> None:
-    from kernels.lora_expand import lora_expand
+    from loraplex_kernels.lora_expand import lora_expand
 
     lora_expand(p.y, p.shrunk, p.lora_b, p.ranks, p.scalings, p.slice_offsets, p.segs)
 

@@ -2,7 +2,7 @@
 
 Each fused linear of each layer (a "LoRA group" of the architecture, e.g. Llama's qkv,
 o, gate_up and down) gets one `LoRAGroup`: device buffers for `num_slots` adapters of
-rank up to `max_rank` in the layout documented in kernels/reference.py. An adapter in
+rank up to `max_rank` in the layout documented in loraplex_kernels/reference.py. An adapter in
 use occupies one slot in every group; a base-model token uses none and is never touched.
 """
 
@@ -14,8 +14,8 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from engine.lora.weights import LoRAModule, LoRAWeights
-from kernels import cpu_ops
-from kernels import reference as ref
+from loraplex_kernels import cpu_ops
+from loraplex_kernels import reference as ref
 
 # Segments of at most this many rows (decode-sized) run in the fused CPU kernel, or
 # without it their LoRA matmuls single-threaded.
@@ -47,7 +47,7 @@ class LoRAGroup:
         num_slices = len(self.slice_sizes)
         self.device, self.dtype = device, dtype
         # NOTE: two layouts of the same weights. On CUDA the slot-stacked buffers the Triton
-        # kernels read (kernels/reference.py); on CPU one PackedLoRA per slot: views of the
+        # kernels read (loraplex_kernels/reference.py); on CPU one PackedLoRA per slot: views of the
         # host copy's own A and B^T, sized to the adapter's ranks, nothing copied.
         self.use_kernels = device.type == "cuda" if use_kernels is None else use_kernels
         stacked = (num_slots, num_slices, max_rank, in_features) if self.use_kernels else (0,)
@@ -55,7 +55,7 @@ class LoRAGroup:
         b_shape = (num_slots, offsets[-1], max_rank) if self.use_kernels else (0,)
         self.lora_b = torch.zeros(b_shape, device=device, dtype=dtype)
         self.packed: list[ref.PackedLoRA | None] = [None] * num_slots
-        # CPU: each slot's PackedLoRA as the fused kernel reads it (kernels/cpu_ops.py);
+        # CPU: each slot's PackedLoRA as the fused kernel reads it (loraplex_kernels/cpu_ops.py);
         # a row of zeros for an empty slot.
         self.cpu_kernel = not self.use_kernels and cpu_ops.available(device, dtype)
         rows = num_slots if self.cpu_kernel else 0
@@ -117,8 +117,8 @@ class LoRAGroup:
         if not any(self.slot_active[slot] for _, _, slot in segs.segments):
             return
         if self.use_kernels:
-            from kernels.lora_expand import lora_expand
-            from kernels.lora_shrink import lora_shrink
+            from loraplex_kernels.lora_expand import lora_expand
+            from loraplex_kernels.lora_shrink import lora_shrink
 
             shrunk = lora_shrink(x, self.lora_a, self.ranks, segs)
             lora_expand(y, shrunk, self.lora_b, self.ranks, self.scalings, self.slice_offsets, segs)

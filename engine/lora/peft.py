@@ -464,5 +464,5 @@ def _build_module(
     if rope_rows:
         b_out = interleave_leading_rows(b_out, rope_rows, model_config.head_dim)
     # B is kept as the transpose of a contiguous B^T: the layout the CPU slots read in
-    # place (kernels/reference.py PackedLoRA), so a CPU slot needs no copy of it.
+    # place (loraplex_kernels/reference.py PackedLoRA), so a CPU slot needs no copy of it.
     return LoRAModule(a=a_out.contiguous(), b=b_out.t().contiguous().t(), scaling=float(scaling))

@@ -21,7 +21,7 @@ from torch import nn
 from engine.attention import AttentionMetadata, LayerKVCache
 from engine.lora.layers import LoRAGroup, LoRASlots
 from engine.models.config import ArchFields, ModelConfig, ModelLoadError, switched_window
-from kernels import reference as ref
+from loraplex_kernels import reference as ref
 
 # Modules are built on the meta device, then materialized empty (see LlamaForCausalLM).
 META = torch.device("meta")

@@ -16,8 +16,8 @@ from engine.attention import AttentionMetadata, LayerKVCache, paged_attention
 from engine.lora.layers import LoRAGroup
 from engine.models.base import META, CausalLM, WeightTarget
 from engine.models.config import ArchFields, ModelConfig, switched_window, window_of
-from kernels import cpu_ops
-from kernels import reference as ref
+from loraplex_kernels import cpu_ops
+from loraplex_kernels import reference as ref
 
 
 class RMSNorm(nn.Module):

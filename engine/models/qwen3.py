@@ -14,7 +14,7 @@ from torch import nn
 from engine.models.base import META, WeightTarget
 from engine.models.config import ArchFields, ModelConfig, switched_window
 from engine.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
-from kernels import reference as ref
+from loraplex_kernels import reference as ref
 
 
 class Qwen3Attention(LlamaAttention):

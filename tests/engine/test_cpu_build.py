@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kernels import cpu_build
+from loraplex_kernels import cpu_build
 
 SOURCE = "int answer(void) { return 42; }\n"
 

@@ -1,4 +1,4 @@
-"""The CPU decode attention kernel (kernels/cpu_decode.py) against the torch paths.
+"""The CPU decode attention kernel (loraplex_kernels/cpu_decode.py) against the torch paths.
 
 Random paged layouts: every sequence's blocks scattered over a cache full of garbage,
 context lengths from one token to several blocks, block sizes 1-32, MHA and GQA, head
@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from engine.attention import AttentionMetadata, LayerKVCache, paged_attention
-from kernels import cpu_decode
-from kernels import reference as ref
+from loraplex_kernels import cpu_decode
+from loraplex_kernels import reference as ref
 
 pytestmark = pytest.mark.skipif(
     not cpu_decode.available(torch.device("cpu"), torch.float32),

@@ -1,4 +1,4 @@
-"""The fused CPU kernels (kernels/cpu_ops.py) against the torch ops they replace.
+"""The fused CPU kernels (loraplex_kernels/cpu_ops.py) against the torch ops they replace.
 
 RMSNorm on rows that are views, odd widths and extreme magnitudes; the LoRA segments
 kernel on random layouts (adapters on some slices only, ranks 1-64, base rows between
@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from engine.lora.layers import SMALL_SEGMENT_ROWS, LoRAGroup
 from engine.lora.weights import LoRAModule
 from engine.models.llama import RMSNorm
-from kernels import cpu_ops
-from kernels import reference as ref
+from loraplex_kernels import cpu_ops
+from loraplex_kernels import reference as ref
 from tests.engine.test_lora_layers import IN, SLICES, random_modules
 
 CPU = torch.device("cpu")

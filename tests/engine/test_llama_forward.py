@@ -20,8 +20,8 @@ from engine.model_loader import parse_model_config
 from engine.model_runner import ModelRunner
 from engine.models.llama import rope_inv_freq_for
 from engine.request import Request, SamplingParams, ScheduledChunk, SchedulerOutput
-from kernels import cpu_ops
-from kernels import reference as ref
+from loraplex_kernels import cpu_ops
+from loraplex_kernels import reference as ref
 from tests.utils.tiny_models import BASE_SETTINGS, VARIANTS, random_prompt
 
 # ---------------------------------------------------------------------------- reference ops

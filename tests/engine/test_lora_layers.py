@@ -8,7 +8,7 @@ import torch
 
 from engine.lora.layers import LoRAGroup
 from engine.lora.weights import LoRAModule
-from kernels import reference as ref
+from loraplex_kernels import reference as ref
 
 SLICES = (48, 16, 16)
 IN = 40

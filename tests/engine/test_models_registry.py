@@ -162,7 +162,7 @@ def _phi3_cfg(tiny_model_factory: Callable[[str], Path]) -> tuple[Path, ModelCon
 def test_phi3_adapter_b_rows_rope_interleaved_on_q_and_k_only(
     tiny_model_factory: Callable[[str], Path], tmp_path: Path
 ) -> None:
-    from kernels.reference import interleave_rope_rows
+    from loraplex_kernels.reference import interleave_rope_rows
     from tests.utils.peft_adapters import lora_tensor_name, read_adapter_tensors
 
     base, cfg = _phi3_cfg(tiny_model_factory)

@@ -17,7 +17,7 @@ from engine.lora.peft import load_peft_adapter
 from engine.lora.weights import AdapterError, LoRAWeights
 from engine.model_loader import ModelConfig, validate_model_dir
 from engine.models.llama import LlamaForCausalLM
-from kernels.reference import interleave_rope_rows
+from loraplex_kernels.reference import interleave_rope_rows
 from tests.utils.peft_adapters import (
     DEFAULT_RELATIVE_DELTA,
     DELETE,

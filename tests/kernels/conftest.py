@@ -8,8 +8,8 @@ import pytest
 import torch
 
 # NOTE: triton reads TRITON_INTERPRET when @triton.jit decorates a kernel, that is when
-# kernels.lora_shrink / kernels.lora_expand are first imported; conftest runs before the
-# test modules of this folder import them.
+# loraplex_kernels.lora_shrink / .lora_expand are first imported; conftest runs before
+# the test modules of this folder import them.
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 

@@ -1,4 +1,5 @@
-"""Triton lora_shrink / lora_expand against their torch reference (kernels/reference.py)."""
+"""Triton lora_shrink / lora_expand against their torch reference
+(loraplex_kernels/reference.py)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,10 @@ from itertools import pairwise
 import pytest
 import torch
 
-from kernels import reference as ref
-from kernels.lora_expand import lora_expand
-from kernels.lora_shrink import lora_shrink
-from kernels.reference import LoRASegments
+from loraplex_kernels import reference as ref
+from loraplex_kernels.lora_expand import lora_expand
+from loraplex_kernels.lora_shrink import lora_shrink
+from loraplex_kernels.reference import LoRASegments
 
 # Mixed ranks in one batch; a slot's slice k takes RANK_POOL[(3 * slot + k) % 8].
 RANK_POOL = (1, 2, 7, 13, 64, 16, 33, 5)

@@ -9,7 +9,7 @@ kernels do each in one call, reading their inputs once:
 - `rms_norm`: y = x * rsqrt(mean(x^2) + eps) * weight, row by row (sum in double).
 - `lora_segments`: y[rows] += ((x[rows] @ A^T) @ B^T) * scaling for every segment of
   a step's LoRA layout, reading the adapters' A and B^T in place (the PackedLoRA layout
-  of kernels/reference.py); for decode-sized segments (prefill keeps the matmuls).
+  of loraplex_kernels/reference.py); for decode-sized segments (prefill keeps the matmuls).
 - `silu_mul`: silu(gate) * up from the fused gate/up projection, in one pass (torch's
   SiLU and multiply are two passes over [T, I]; 1.0 against 1.5-1.9 ms at 2,048 rows).
 - `argmax_rows`: the greedy token of each row of a step's logits (torch's argmax is
@@ -18,7 +18,7 @@ kernels do each in one call, reading their inputs once:
   instead of two `index_copy_` calls (10 against 16 us for 32 rows; in a real step both
   pay the cache misses and first-touch page faults of the slots they write).
 
-Built by kernels/cpu_build.py; callers check `available()` and keep the torch path
+Built by loraplex_kernels/cpu_build.py; callers check `available()` and keep the torch path
 otherwise. Results agree with the torch ops to float32 rounding.
 """
 
@@ -28,7 +28,7 @@ import ctypes
 
 import torch
 
-from kernels.cpu_build import C_DOT, C_EXP, LazyLibrary
+from loraplex_kernels.cpu_build import C_DOT, C_EXP, LazyLibrary
 
 # Slices per LoRA group at most (Llama's qkv has three); the descriptor's width follows:
 # the number of slices, then (A pointer, B^T pointer, rank, lo, hi) per slice.

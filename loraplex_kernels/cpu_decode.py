@@ -5,7 +5,7 @@ a contiguous copy per layer and step, then runs SDPA over it: the K/V bytes are 
 written and read again. This kernel reads each cached K/V row once, in place, through
 the block table, with the softmax over the exact context (no padding, no mask).
 
-NOTE: a small C function built by kernels/cpu_build.py (once per machine, cached) and
+NOTE: a small C function built by loraplex_kernels/cpu_build.py (once per machine, cached) and
 called through ctypes with the GIL released; parallel over (sequence, KV head) with
 OpenMP on torch's own thread pool. Without a compiler, or when the build fails,
 `available()` is False and callers keep the torch path.
@@ -17,7 +17,7 @@ import ctypes
 
 import torch
 
-from kernels.cpu_build import C_DOT, C_EXP, LazyLibrary
+from loraplex_kernels.cpu_build import C_DOT, C_EXP, LazyLibrary
 
 _SOURCE = C_DOT + C_EXP + r"""
 #include <math.h>

@@ -1,6 +1,6 @@
 """Segmented multi-LoRA expand (Punica SGMV style): y rows += scaling * shrunk @ B^T, in place.
 
-Layout of the slot-stacked buffers and of LoRASegments: kernels/reference.py, "multi-LoRA".
+Layout of the slot-stacked buffers and of LoRASegments: loraplex_kernels/reference.py, "multi-LoRA".
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ try:
     import triton.language as tl
 except ImportError as exc:  # pragma: no cover - only on machines without triton
     raise ImportError(
-        "kernels.lora_expand needs the `triton` package (CUDA machines); "
-        "the CPU path uses kernels.reference.lora_expand"
+        "loraplex_kernels.lora_expand needs the `triton` package (CUDA machines); "
+        "the CPU path uses loraplex_kernels.reference.lora_expand"
     ) from exc
 
-from kernels.lora_shrink import (
+from loraplex_kernels.lora_shrink import (
     check_contiguous,
     check_devices,
     check_float_matrix,
@@ -29,7 +29,7 @@ from kernels.lora_shrink import (
     dot_dtype,
     row_block_size,
 )
-from kernels.reference import LoRASegments
+from loraplex_kernels.reference import LoRASegments
 
 
 @triton.jit
@@ -112,7 +112,7 @@ def lora_expand(
     accumulates in float32 and stores in y's dtype. Rows outside the segments and slices
     of rank 0 are not written.
 
-    Semantics (kernels.reference.lora_expand)::
+    Semantics (loraplex_kernels.reference.lora_expand)::
 
         rank_table, scale_table = ranks.tolist(), scalings.tolist()
         delta = torch.zeros(segs.num_tokens, y.shape[1], dtype=torch.float32)

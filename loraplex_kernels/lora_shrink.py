@@ -1,6 +1,6 @@
 """Segmented multi-LoRA shrink (Punica SGMV style): x rows times their slot's A, all slices.
 
-Layout of the slot-stacked buffers and of LoRASegments: kernels/reference.py, "multi-LoRA".
+Layout of the slot-stacked buffers and of LoRASegments: loraplex_kernels/reference.py, "multi-LoRA".
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ try:
     import triton.language as tl
 except ImportError as exc:  # pragma: no cover - only on machines without triton
     raise ImportError(
-        "kernels.lora_shrink needs the `triton` package (CUDA machines); "
-        "the CPU path uses kernels.reference.lora_shrink"
+        "loraplex_kernels.lora_shrink needs the `triton` package (CUDA machines); "
+        "the CPU path uses loraplex_kernels.reference.lora_shrink"
     ) from exc
 
-from kernels.reference import LoRASegments
+from loraplex_kernels.reference import LoRASegments
 
 LORA_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -86,7 +86,7 @@ def lora_shrink(
     """x [T, IN] -> float32 [N, NSL, R]: every adapter row of x times its slot's A, for all
     NSL slices in one launch; reads ranks on the device (no host sync).
 
-    Semantics (kernels.reference.lora_shrink)::
+    Semantics (loraplex_kernels.reference.lora_shrink)::
 
         out = torch.zeros(segs.num_tokens, num_slices, max_rank, dtype=torch.float32)
         rows = x.index_select(0, segs.token_indices)
@@ -173,7 +173,7 @@ def row_block_size(max_seg_len: int) -> int:
     return 32 if max_seg_len <= 64 else 64
 
 
-# ---- launcher checks, shared with kernels.lora_expand ----------------------------------
+# ---- launcher checks, shared with loraplex_kernels.lora_expand ----------------------------------
 
 
 def check_float_matrix(op: str, name: str, t: torch.Tensor) -> None:
