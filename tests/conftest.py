@@ -1,4 +1,7 @@
-"""Shared fixtures: the bundled SmolLM2, converted once into <repo>/var/ and reused."""
+"""Shared fixtures: the bundled SmolLM2, converted once into <repo>/var/models/ and reused.
+
+The suite runs on a data dir of its own (tests/utils/user_data.py): nothing it starts
+reads or writes the checkout's ./var/ (a user's demo data) outside that model cache."""
 
 from __future__ import annotations
 
@@ -9,20 +12,36 @@ from pathlib import Path
 import pytest
 import torch
 
-# NOTE: Triton reads TRITON_INTERPRET when a kernel is decorated, i.e. when kernels/ is
+# NOTE: Triton reads TRITON_INTERPRET when a kernel is decorated, i.e. when loraplex_kernels/ is
 # first imported, whichever test does it: set it before any test module is collected.
 # Without CUDA the Triton kernels then run in the interpreter on CPU tensors.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest_plugins = ("pytester",)  # tests/test_user_data_guard.py runs the guard in a pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CACHE_DATA_DIR = REPO_ROOT / "var"
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    from tests.utils.user_data import UserDataGuard, isolate_environment
+
     config.addinivalue_line(
         "markers", "slow: loads the bundled SmolLM2 model (seconds to minutes on 2 CPU cores)"
     )
+    config.stash[_ISOLATED] = isolate_environment(CACHE_DATA_DIR)
+    config.pluginmanager.register(UserDataGuard(CACHE_DATA_DIR), "loraplex-user-data-guard")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    from tests.utils.user_data import remove_isolated
+
+    if _ISOLATED in config.stash:
+        remove_isolated(config.stash[_ISOLATED])
+
+
+_ISOLATED = pytest.StashKey[Path]()
 
 
 @pytest.fixture(scope="session")
