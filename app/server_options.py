@@ -189,8 +189,10 @@ ENGINE_OPTIONS: dict[str, dict[str, Any]] = {
     "--model": dict(default="default", show_default=True,
                     help="'default' (bundled SmolLM2-135M-Instruct) or a local HF directory."),
     "--device": dict(default="auto", show_default=True, help="auto | cpu | cuda | cuda:N"),
-    "--dtype": dict(default="auto", show_default=True,
-                    type=click.Choice(["auto", "float32", "bfloat16", "float16"])),
+    "--dtype": dict(default="auto", show_default=True, envvar="LORAPLEX_DTYPE",
+                    type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
+                    help="auto: bfloat16 on CUDA and on CPUs with AMX-BF16 or AVX-512 BF16, "
+                         "float32 on other CPUs."),
     "--max-loras": dict(default=8, show_default=True, type=click.IntRange(min=1),
                         help="Adapters resident on the device at once."),
     "--max-cpu-loras": dict(default=64, show_default=True, type=click.IntRange(min=1),

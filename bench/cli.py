@@ -78,6 +78,8 @@ def throughput(
 @click.option("--rank", default=16, show_default=True)
 @click.option("--targets", type=click.Choice(["qv", "attention", "all-linear"]),
               default="attention", show_default=True)
+@click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto",
+              show_default=True, help="the engine's dtype (auto: what serving picks here)")
 @click.option("--steps", default=16, show_default=True, help="timed decode steps per round")
 @click.option("--repeats", default=2, show_default=True, help="alternating base/LoRA rounds")
 @click.option("--compare-gather", is_flag=True, help="also alternate kernel / gather steps")

@@ -1,7 +1,7 @@
 """`loraplex bench roofline`: this CPU's limits, and a decode step against them.
 
-One run measures the float32 matmul peak (GFLOP/s, a large `torch.mm` on every intra-op
-thread) and the memory bandwidth (GB/s, a large copy and a large sum), then drives an
+One run measures the matmul peak in the step's dtype (GFLOP/s, a large `torch.mm` on every
+intra-op thread) and the memory bandwidth (GB/s, a large copy and a large sum), then drives an
 in-process `EngineCore` (no HTTP) through decode steps of N sequences, base model and
 spread over adapters, and reports:
 
@@ -9,6 +9,8 @@ spread over adapters, and reports:
 - where it goes (torch profiler, each op's self time by part: linear layers, LoRA, K/V
   write, K/V gather, decode attention, norms, rope, activation, residuals, lm_head,
   sampling, input preparation; "python" is the step time no op accounts for);
+- the linear layers' achieved GFLOP/s (their flops over their profiled time, the output
+  projection apart) against that peak;
 - the step's roofline: the bytes it must move (every weight once, the LoRA weights of
   the slots in use, the K/V it reads) over the bandwidth, its flops over the peak; the
   bound is the larger, and `roofline_fraction` = bound / measured step.
@@ -41,6 +43,7 @@ class RooflineOptions:
     num_adapters: int = 8  # 0: base model only
     rank: int = 16
     targets: str = "attention"
+    dtype: str = "auto"  # the engine's --dtype (auto: what serving picks on this machine)
     steps: int = 16  # timed decode steps per scenario and round
     profiled_steps: int = 3
     repeats: int = 2  # alternating rounds of base / adapters; the best step is kept
@@ -67,10 +70,11 @@ def _best_seconds(fn: Callable[[], object], iters: int) -> float:
     return best
 
 
-def matmul_peak_gflops(n: int = 2048, iters: int = 5) -> float:
-    a = torch.randn(n, n)
-    b = torch.randn(n, n)
-    out = torch.empty(n, n)
+def matmul_peak_gflops(n: int = 2048, iters: int = 5, dtype: torch.dtype = torch.float32
+                       ) -> float:
+    a = torch.randn(n, n).to(dtype)
+    b = torch.randn(n, n).to(dtype)
+    out = torch.empty(n, n, dtype=dtype)
     seconds = _best_seconds(lambda: torch.mm(a, b, out=out), iters)
     return 2 * n**3 / seconds / 1e9
 
@@ -220,8 +224,9 @@ def step_model(core: Any, adapters: list[str | None], num_adapters: int) -> dict
     running = list(core.scheduler.running)
     num_seqs = len(running)
     context = sum(r.num_tokens for r in running)
-    linear_params = sum(fin * fout for fin, fout in model_cls.linear_shapes(cfg).values())
-    linear_params = linear_params * cfg.num_layers + cfg.vocab_size * cfg.hidden_size
+    layer_params = sum(fin * fout for fin, fout in model_cls.linear_shapes(cfg).values())
+    head_params = cfg.vocab_size * cfg.hidden_size
+    linear_params = layer_params * cfg.num_layers + head_params
     # Every parameter read once (a tied embedding matrix: as the output projection).
     weight_bytes = model_cls.count_parameters(cfg) * itemsize
     lora_bytes = 0.0
@@ -244,6 +249,8 @@ def step_model(core: Any, adapters: list[str | None], num_adapters: int) -> dict
         "kv_read_bytes": kv_bytes,
         "flops": 2 * num_seqs * linear_params + attn_flops + lora_flops,
         "attention_flops": attn_flops,
+        "layer_linear_flops": 2 * num_seqs * layer_params * cfg.num_layers,
+        "lm_head_flops": 2 * num_seqs * head_params,
     }
 
 
@@ -303,27 +310,33 @@ def _never(device: torch.device, dtype: torch.dtype) -> bool:
     return False
 
 
+def _gflops(flops: float, seconds: float | None) -> float:
+    return round(flops / seconds / 1e9, 1) if seconds else 0.0
+
+
 def run_roofline(opts: RooflineOptions) -> dict[str, Any]:
     from bench.lora import make_adapters
     from engine.engine_core import EngineCore
-
-    peak = matmul_peak_gflops()
-    bandwidth = memory_bandwidth_gbs()
-    bw = max(bandwidth.values())
-    print_row("machine", {"matmul_gflops": round(peak, 1), **{
-        f"{k}_gb_s": round(v, 2) for k, v in bandwidth.items()}})
 
     model_dir = resolve_model(opts.model, default_data_dir())
     mc = load_model_config(model_dir)
     core = EngineCore(
         EngineConfig(
             model=str(model_dir),
+            dtype=opts.dtype,
             max_num_seqs=opts.num_seqs,
             max_loras=max(opts.num_adapters, 1),
             max_lora_rank=max(opts.rank, 16),
             enable_prefix_caching=False,
         )
     )
+    dtype = core.runner.dtype
+    peak = matmul_peak_gflops(dtype=dtype)
+    bandwidth = memory_bandwidth_gbs()
+    bw = max(bandwidth.values())
+    print_row("machine", {"dtype": str(dtype).removeprefix("torch."),
+                          "matmul_gflops": round(peak, 1), **{
+        f"{k}_gb_s": round(v, 2) for k, v in bandwidth.items()}})
     adapter_names: list[str] = []
     if opts.num_adapters:
         paths = make_adapters(
@@ -384,6 +397,10 @@ def run_roofline(opts: RooflineOptions) -> dict[str, Any]:
                 "bound": "memory" if memory_s >= compute_s else "compute",
                 "roofline_fraction": round(bound_s / step_s, 3),
                 "kv_ideal_ms": round(model["kv_read_bytes"] / (bw * 1e9) * 1000, 2),
+                "linear_gflops": _gflops(model["layer_linear_flops"], parts.get("linear")),
+                "lm_head_gflops": _gflops(model["lm_head_flops"], parts.get("lm_head")),
+                "linear_share_of_peak": round(
+                    _gflops(model["layer_linear_flops"], parts.get("linear")) / peak, 3),
             }
             if compared is not None:
                 results[name]["kernel_vs_gather_step_ms"] = compared
@@ -399,6 +416,7 @@ def run_roofline(opts: RooflineOptions) -> dict[str, Any]:
         "options": {
             "num_seqs": opts.num_seqs, "context_len": list(opts.context_len),
             "num_adapters": opts.num_adapters, "rank": opts.rank, "targets": opts.targets,
+            "dtype": str(dtype).removeprefix("torch."), "fast_paths": core.runner.fast_paths(),
             "steps": opts.steps, "repeats": opts.repeats, "threads": torch.get_num_threads(),
             "compare_gather": opts.compare_gather, "compare_cpu_ops": opts.compare_cpu_ops,
         },

@@ -27,6 +27,7 @@ from engine.engine_core import EngineCore
 from engine.errors import EngineDeadError
 from engine.host_memory import share_one_heap
 from engine.model_loader import ModelConfig
+from engine.model_runner import dtype_name
 from engine.models.registry import model_class_for
 from engine.request import EngineRequest, RequestOutput, TenantContext
 from engine.structured import CompiledGrammar, GrammarCompiler, StructuredOutput
@@ -189,6 +190,8 @@ class AsyncEngine:
             kv_filled_slots=bm.filled_slots(list(core.scheduler.running)),
             block_size=bm.block_size,
             step_seconds=core.step_seconds,
+            dtype=dtype_name(core.runner.dtype),
+            compute=core.runner.compute,
             **structured_stats(core),
         )
 

@@ -108,6 +108,9 @@ class EngineStats:
     grammar_refusals: int = 0  # compiles that ended in a refusal
     grammar_timeouts: int = 0  # compile calls refused for taking too long
     grammar_compile_s: float = 0.0  # compile time of finished compiles
+    # What the engine computes in and on ("" where several engines are summed).
+    dtype: str = ""  # float32 | bfloat16 | float16
+    compute: str = ""  # the CPU and its bf16 units, or the GPU's name
 
 
 @dataclass(slots=True)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
@@ -12,11 +12,18 @@ def default_data_dir() -> Path:
     return Path(os.environ.get("LORAPLEX_DATA_DIR", "./var"))
 
 
+def default_dtype() -> str:
+    """LORAPLEX_DTYPE, else "auto" (engine/model_runner.resolve_device_dtype)."""
+    return os.environ.get("LORAPLEX_DTYPE", "auto")
+
+
 @dataclass(slots=True)
 class EngineConfig:
     model: str = "default"  # "default" (bundled SmolLM2) or a local HF directory
     device: str = "auto"  # auto | cpu | cuda | cuda:N
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    # auto | float32 | bfloat16 | float16; auto: bf16 on CUDA (fp16 where it lacks bf16) and
+    # on CPUs with AMX-BF16 or AVX-512 BF16 (engine/cpu_features.py), else float32.
+    dtype: str = field(default_factory=default_dtype)
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     # Long prompts (engine/scheduler.py, NOTE: long prefills): a prefill with more than
@@ -41,7 +48,7 @@ class EngineConfig:
     max_cpu_loras: int = 64
     max_lora_rank: int = 64
     num_threads: int | None = None  # torch intra-op threads on CPU; None: all cores
-    # CPU float32: run linear layers on oneDNN-packed weights (see engine/models/cpu_linear.py).
+    # CPU: run linear layers on oneDNN-packed weights (see engine/models/cpu_linear.py).
     pack_cpu_weights: bool = True
     data_dir: Path | None = None  # None: LORAPLEX_DATA_DIR or ./var
     # Order of waiting requests within a priority (see engine/fairness.py): "vtc" serves

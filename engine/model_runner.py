@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from engine import cpu_features
 from engine.attention import AttentionMetadata, LayerKVCache, PrefillSequence, allocate_kv_cache
 from engine.config import EngineConfig
 from engine.host_memory import idle_trimmer, keep_freed_activation_memory, release_free_memory
@@ -28,6 +29,7 @@ from engine.models.registry import model_class_for
 from engine.placement.memory import KVCacheBudget, kv_cache_budget
 from engine.request import ScheduledChunk, SchedulerOutput
 from engine.step_profile import run_largest_step
+from loraplex_kernels import cpu_decode, cpu_ops
 from loraplex_kernels.reference import LoRASegments
 
 logger = logging.getLogger(__name__)
@@ -43,8 +45,9 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 def resolve_device_dtype(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
     """`auto` device: CUDA if available else CPU; `auto` dtype: bf16 on CUDA devices that
-    support it (compute capability 8.0+), else float16; float32 on CPU. bfloat16 asked
-    for on a CUDA device without it is refused."""
+    support it (compute capability 8.0+), else float16; on CPU bf16 where it has AMX-BF16
+    or AVX-512 BF16, else float32 (engine/cpu_features.py). bfloat16 asked for on a CUDA
+    device without it is refused."""
     if device == "auto":
         dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     else:
@@ -59,7 +62,7 @@ def resolve_device_dtype(device: str, dtype: str) -> tuple[torch.device, torch.d
     if dtype != "auto" and dtype not in _DTYPES:
         raise ValueError(f"unknown dtype {dtype!r} (auto, {', '.join(_DTYPES)})")
     if dev.type != "cuda":
-        return dev, torch.float32 if dtype == "auto" else _DTYPES[dtype]
+        return dev, cpu_features.auto_cpu_dtype() if dtype == "auto" else _DTYPES[dtype]
     if dtype in ("float32", "float16"):
         return dev, _DTYPES[dtype]
     bf16 = _cuda_supports_bf16(dev)
@@ -73,6 +76,17 @@ def resolve_device_dtype(device: str, dtype: str) -> tuple[torch.device, torch.d
             "--dtype float16 (or auto, which picks float16 there)"
         )
     return dev, _DTYPES[dtype]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def describe_compute(device: torch.device) -> str:
+    """The processor a step runs on, as the startup line and /admin/engine show it."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return cpu_features.detect_cpu_features().describe()
 
 
 def _cuda_supports_bf16(dev: torch.device) -> bool:
@@ -97,6 +111,7 @@ class ModelRunner:
         self.model_dir = Path(model_dir)
         self.model_config: ModelConfig = validate_model_dir(self.model_dir)
         self.device, self.dtype = resolve_device_dtype(config.device, config.dtype)
+        self.compute = describe_compute(self.device)  # what the dtype was chosen for
         if self.device.type == "cpu":
             torch.set_num_threads(config.num_threads or len(os.sched_getaffinity(0)))
         self.block_size = config.block_size
@@ -170,14 +185,38 @@ class ModelRunner:
             self.device,
         )
         logger.info(
-            "model %s on %s/%s: %d KV blocks of %d tokens, max_model_len %d",
+            "model %s on %s, %s (--dtype %s; %s): %d KV blocks of %d tokens, "
+            "max_model_len %d",
             self.model_dir.name,
             self.device,
-            self.dtype,
+            dtype_name(self.dtype),
+            config.dtype,
+            self.compute,
             self.num_blocks,
             self.block_size,
             self.max_model_len,
         )
+        self._log_fast_paths()
+
+    def fast_paths(self) -> dict[str, bool]:
+        """CPU: whether each part of a step runs its fast path in this dtype (packed
+        oneDNN linears, the fused kernels, paged decode attention); {} on CUDA."""
+        if self.device.type != "cpu":
+            return {}
+        return {
+            "packed linear layers": self.config.pack_cpu_weights
+            and packing_available(self.device, self.dtype),
+            "fused norm, activation, K/V write and LoRA kernels": cpu_ops.available(
+                self.device, self.dtype),
+            "paged decode attention kernel": cpu_decode.available(self.device, self.dtype),
+        }
+
+    def _log_fast_paths(self) -> None:
+        slow = [name for name, fast in self.fast_paths().items() if not fast]
+        if slow:
+            # NOTE: a warning, not a refusal: the torch paths are correct, only slower
+            # (no C compiler, LORAPLEX_CPU_KERNELS=0, or oneDNN without this dtype).
+            logger.warning("%s steps run without: %s", dtype_name(self.dtype), ", ".join(slow))
 
     def _default_kv_cache_tokens(self, max_model_len: int) -> int:
         wanted = self.config.max_num_seqs * max_model_len

@@ -163,9 +163,8 @@ def _nucleus_threshold(values: Tensor, probs: Tensor, top_ps: Tensor) -> tuple[T
 def _argmax(logits: Tensor) -> Tensor:
     """Best token id per row of [S, V]; a NaN (which argmax ranks above everything) never
     wins over a number, and a row of NaN only still gets a valid id."""
-    if logits.dim() == 2 and logits.stride(1) == 1 and cpu_ops.available(
-        logits.device, logits.dtype
-    ):
+    if (logits.dim() == 2 and logits.stride(1) == 1 and logits.dtype == torch.float32
+            and cpu_ops.available(logits.device, logits.dtype)):
         return cpu_ops.argmax_rows(logits)  # one parallel pass, the same ranking
     ids = logits.argmax(dim=-1)
     nan_rows = logits.gather(1, ids[:, None]).squeeze(1).isnan()

@@ -42,6 +42,62 @@ static inline __attribute__((always_inline)) float dot(const float *restrict a,
 }
 """
 
+# bfloat16 storage for the kernels that come in both dtypes (see `instantiate`): values
+# are read into float32, computed in float32 and rounded to nearest even when stored,
+# as torch rounds (a NaN stays a quiet NaN).
+C_BF16 = r"""
+#include <stdint.h>
+
+typedef uint16_t bf16_t;
+
+static inline __attribute__((always_inline)) float ld_f32(float v) { return v; }
+static inline __attribute__((always_inline)) float st_f32(float v) { return v; }
+
+static inline __attribute__((always_inline)) float ld_bf16(bf16_t v) {
+    const union { uint32_t i; float f; } u = {.i = (uint32_t)v << 16};
+    return u.f;
+}
+
+static inline __attribute__((always_inline)) bf16_t st_bf16(float v) {
+    const union { float f; uint32_t i; } u = {.f = v};
+    if ((u.i & 0x7fffffffu) > 0x7f800000u) return (bf16_t)((u.i >> 16) | 0x40u);
+    return (bf16_t)((u.i + 0x7fffu + ((u.i >> 16) & 1u)) >> 16);
+}
+
+/* The dot product of two bf16 rows, in float32 and 16 lanes (as dot(), no reassociation
+   left to the compiler). */
+static inline __attribute__((always_inline)) float dot_bf16(const bf16_t *restrict a,
+                                                            const bf16_t *restrict b,
+                                                            int64_t n) {
+    float acc[16] = {0};
+    int64_t d = 0;
+    for (; d + 16 <= n; d += 16)
+        for (int k = 0; k < 16; k++) acc[k] += ld_bf16(a[d + k]) * ld_bf16(b[d + k]);
+    for (int k = 0; k < 8; k++) acc[k] += acc[k + 8];
+    float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+    for (; d < n; d++) s += ld_bf16(a[d]) * ld_bf16(b[d]);
+    return s;
+}
+
+static inline __attribute__((always_inline)) float dot_f32(const float *restrict a,
+                                                           const float *restrict b, int64_t n) {
+    return dot(a, b, n);
+}
+"""
+
+# The storage types a templated kernel is built for: torch dtype name -> (C type, suffix).
+C_TYPES = {"float32": ("float", "f32"), "bfloat16": ("bf16_t", "bf16")}
+
+
+def instantiate(template: str, dtypes: tuple[str, ...] = ("float32", "bfloat16")) -> str:
+    """One copy of `template` per dtype: `scalar_t` becomes its C type and every `@` its
+    suffix (so `rms_norm_@` is `rms_norm_f32` and `rms_norm_bf16`, `ld_@` the matching
+    load and `st_@` the matching store)."""
+    return "".join(
+        template.replace("scalar_t", C_TYPES[d][0]).replace("@", C_TYPES[d][1]) for d in dtypes
+    )
+
+
 # e^x for the kernels' vector loops (libm's expf keeps a loop scalar without -ffast-math).
 C_EXP = r"""
 /* e^x to a few float32 ulps, in plain C that vectorizes: x = n ln2 + r, |r| <= ln2 / 2,

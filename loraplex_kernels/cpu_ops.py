@@ -1,4 +1,4 @@
-"""Fused float32 CPU kernels for the small operations of a decode step.
+"""Fused CPU kernels for the small operations of a decode step, in float32 and bfloat16.
 
 A decode step of a small model spends much of its time outside the matmuls: in ops
 whose work is a few microseconds but whose dispatch, temporaries and thread-pool
@@ -19,53 +19,32 @@ kernels do each in one call, reading their inputs once:
   pay the cache misses and first-touch page faults of the slots they write).
 
 Built by loraplex_kernels/cpu_build.py; callers check `available()` and keep the torch path
-otherwise. Results agree with the torch ops to float32 rounding.
+otherwise. Each kernel but the argmax (logits are float32) is built for float32 and for
+bfloat16 storage; bfloat16 is computed in float32 and rounded where the Hugging Face
+model's bf16 ops round (RMSNorm's normalized row, the SiLU before its product), and the
+LoRA delta once, into y. Float32 results agree with the torch ops to float32 rounding.
 """
 
 from __future__ import annotations
 
 import ctypes
+from typing import Any
 
 import torch
 
-from loraplex_kernels.cpu_build import C_DOT, C_EXP, LazyLibrary
+from loraplex_kernels.cpu_build import C_BF16, C_DOT, C_EXP, LazyLibrary, instantiate
 
 # Slices per LoRA group at most (Llama's qkv has three); the descriptor's width follows:
 # the number of slices, then (A pointer, B^T pointer, rank, lo, hi) per slice.
 MAX_SLICES = 4
 DESC_WIDTH = 1 + 5 * MAX_SLICES
 
-_SOURCE = C_DOT + C_EXP + r"""
+_COMMON = C_DOT + C_BF16 + C_EXP + r"""
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 
-/* x [T, H] rows x_stride apart, weight [H], out [T, H] contiguous. */
-void rms_norm_f32(const float *x, int64_t x_stride, const float *weight, float *out,
-                  int64_t num_rows, int64_t hidden, float eps, int64_t num_threads) {
-#pragma omp parallel for num_threads(num_threads) if (num_rows * hidden >= 65536)
-    for (int64_t t = 0; t < num_rows; t++) {
-        const float *restrict xr = x + t * x_stride;
-        float *restrict o = out + t * hidden;
-        double ss = 0.0;
-        for (int64_t i = 0; i < hidden; i++) ss += (double)xr[i] * (double)xr[i];
-        const float inv = (float)(1.0 / sqrt(ss / (double)hidden + (double)eps));
-        for (int64_t i = 0; i < hidden; i++) o[i] = (xr[i] * inv) * weight[i];
-    }
-}
-
-/* gate_up [T, 2 I] rows stride apart (gate first, then up); out [T, I] contiguous:
-   out = gate / (1 + e^-gate) * up. NaN stays NaN (the clamp leaves the numerator). */
-void silu_mul_f32(const float *gate_up, int64_t stride, float *out, int64_t num_rows,
-                  int64_t inter, int64_t num_threads) {
-#pragma omp parallel for num_threads(num_threads) if (num_rows * inter >= 262144)
-    for (int64_t t = 0; t < num_rows; t++) {
-        const float *restrict g = gate_up + t * stride;
-        const float *restrict u = g + inter;
-        float *restrict o = out + t * inter;
-        for (int64_t i = 0; i < inter; i++) o[i] = g[i] / (1.0f + exp_f32(-g[i])) * u[i];
-    }
-}
+#define DESC_WIDTH (1 + 5 * MAX_SLICES)
 
 /* logits [S, V] rows stride apart -> ids [S]: each row's first largest value, NaN ranked
    below every number; a row with no number above -inf gets 0. */
@@ -86,45 +65,86 @@ void argmax_rows_f32(const float *logits, int64_t stride, int64_t num_rows, int6
         ids[s] = best;
     }
 }
+"""
+
+# Built once per storage dtype (cpu_build.instantiate): float32, and bfloat16 computed in
+# float32 and rounded where the torch ops of the Hugging Face model round.
+_TEMPLATE = r"""
+/* x [T, H] rows x_stride apart, weight [H], out [T, H] contiguous. The normalized row is
+   rounded to the storage type before the weight multiplies it, as HF's RMSNorm does. */
+void rms_norm_@(const scalar_t *x, int64_t x_stride, const scalar_t *weight, scalar_t *out,
+                int64_t num_rows, int64_t hidden, float eps, int64_t num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (num_rows * hidden >= 65536)
+    for (int64_t t = 0; t < num_rows; t++) {
+        const scalar_t *restrict xr = x + t * x_stride;
+        scalar_t *restrict o = out + t * hidden;
+        double ss = 0.0;
+        for (int64_t i = 0; i < hidden; i++) {
+            const double v = (double)ld_@(xr[i]);
+            ss += v * v;
+        }
+        const float inv = (float)(1.0 / sqrt(ss / (double)hidden + (double)eps));
+        for (int64_t i = 0; i < hidden; i++)
+            o[i] = st_@(ld_@(st_@(ld_@(xr[i]) * inv)) * ld_@(weight[i]));
+    }
+}
+
+/* gate_up [T, 2 I] rows stride apart (gate first, then up); out [T, I] contiguous:
+   out = gate / (1 + e^-gate) * up, the SiLU rounded before the product. NaN stays NaN
+   (the clamp leaves the numerator). */
+void silu_mul_@(const scalar_t *gate_up, int64_t stride, scalar_t *out, int64_t num_rows,
+                int64_t inter, int64_t num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (num_rows * inter >= 262144)
+    for (int64_t t = 0; t < num_rows; t++) {
+        const scalar_t *restrict g = gate_up + t * stride;
+        const scalar_t *restrict u = g + inter;
+        scalar_t *restrict o = out + t * inter;
+        for (int64_t i = 0; i < inter; i++) {
+            const float gi = ld_@(g[i]);
+            o[i] = st_@(ld_@(st_@(gi / (1.0f + exp_f32(-gi)))) * ld_@(u[i]));
+        }
+    }
+}
 
 /* key/value [T, row] rows key_stride / value_stride apart; caches [num_slots, row]
    contiguous; slots [T]. Returns 1, writing nothing, when a slot is out of range. */
-int write_kv_f32(const float *key, int64_t key_stride, const float *value, int64_t value_stride,
-                 float *key_cache, float *value_cache, const int64_t *slots, int64_t num_tokens,
-                 int64_t row, int64_t num_slots, int64_t num_threads) {
+int write_kv_@(const scalar_t *key, int64_t key_stride, const scalar_t *value,
+               int64_t value_stride, scalar_t *key_cache, scalar_t *value_cache,
+               const int64_t *slots, int64_t num_tokens, int64_t row, int64_t num_slots,
+               int64_t num_threads) {
     for (int64_t t = 0; t < num_tokens; t++)
         if (slots[t] < 0 || slots[t] >= num_slots) return 1;
 #pragma omp parallel for num_threads(num_threads) if (num_tokens * row >= 262144)
     for (int64_t t = 0; t < num_tokens; t++) {
-        __builtin_memcpy(key_cache + slots[t] * row, key + t * key_stride, sizeof(float) * row);
+        __builtin_memcpy(key_cache + slots[t] * row, key + t * key_stride,
+                         sizeof(scalar_t) * row);
         __builtin_memcpy(value_cache + slots[t] * row, value + t * value_stride,
-                         sizeof(float) * row);
+                         sizeof(scalar_t) * row);
     }
     return 0;
 }
 
-#define DESC_WIDTH (1 + 5 * MAX_SLICES)
-
-/* One row, slice by slice: y[lo:hi] += ((x . A_k rows) @ B_k^T) * scale_k. shrunk:
-   scratch of max_rank floats; delta: scratch of out_features floats. */
-static void lora_row(const float *restrict x, float *restrict y, const int64_t *d,
-                     const float *scales, int64_t in_features, float *restrict shrunk,
-                     float *restrict delta) {
+/* One row, slice by slice: y[lo:hi] += ((x . A_k rows) times B_k^T) * scale_k, in float32
+   and rounded once into y. shrunk: scratch of max_rank floats; delta: scratch of
+   out_features floats. */
+static void lora_row_@(const scalar_t *restrict x, scalar_t *restrict y, const int64_t *d,
+                       const float *scales, int64_t in_features, float *restrict shrunk,
+                       float *restrict delta) {
     for (int64_t k = 0; k < d[0]; k++) {
         const int64_t *sl = d + 1 + 5 * k;
-        const float *a = (const float *)(intptr_t)sl[0];
-        const float *b_t = (const float *)(intptr_t)sl[1];
+        const scalar_t *a = (const scalar_t *)(intptr_t)sl[0];
+        const scalar_t *b_t = (const scalar_t *)(intptr_t)sl[1];
         const int64_t r = sl[2], lo = sl[3], width = sl[4] - sl[3];
-        for (int64_t j = 0; j < r; j++) shrunk[j] = dot(x, a + j * in_features, in_features);
+        for (int64_t j = 0; j < r; j++) shrunk[j] = dot_@(x, a + j * in_features, in_features);
         for (int64_t c = 0; c < width; c++) delta[c] = 0.0f;
         for (int64_t j = 0; j < r; j++) {
             const float s = shrunk[j];
-            const float *restrict bj = b_t + j * width;
-            for (int64_t c = 0; c < width; c++) delta[c] += s * bj[c];
+            const scalar_t *restrict bj = b_t + j * width;
+            for (int64_t c = 0; c < width; c++) delta[c] += s * ld_@(bj[c]);
         }
         const float scale = scales[k];
-        float *restrict yk = y + lo;
-        for (int64_t c = 0; c < width; c++) yk[c] += delta[c] * scale;
+        scalar_t *restrict yk = y + lo;
+        for (int64_t c = 0; c < width; c++) yk[c] = st_@(ld_@(yk[c]) + delta[c] * scale);
     }
 }
 
@@ -132,11 +152,11 @@ static void lora_row(const float *restrict x, float *restrict y, const int64_t *
    token_indices [N]; segments [G, 3] (start, end, slot) into token_indices; desc
    [num_slots, DESC_WIDTH] and scales [num_slots, MAX_SLICES] per slot (0 slices: no
    adapter in this group). Returns 1 when scratch memory could not be had. */
-int lora_segments_f32(const float *x, int64_t x_stride, float *y, int64_t y_stride,
-                      const int64_t *token_indices, const int64_t *segments,
-                      int64_t num_segments, const int64_t *desc, const float *scales,
-                      int64_t in_features, int64_t out_features, int64_t max_rank,
-                      int64_t num_threads) {
+int lora_segments_@(const scalar_t *x, int64_t x_stride, scalar_t *y, int64_t y_stride,
+                    const int64_t *token_indices, const int64_t *segments,
+                    int64_t num_segments, const int64_t *desc, const float *scales,
+                    int64_t in_features, int64_t out_features, int64_t max_rank,
+                    int64_t num_threads) {
     int failed = 0;
     const int64_t num_rows = segments[3 * (num_segments - 1) + 1];
 #pragma omp parallel num_threads(num_threads) if (num_rows > 1)
@@ -163,62 +183,76 @@ int lora_segments_f32(const float *x, int64_t x_stride, float *y, int64_t y_stri
             const int64_t slot = segments[3 * g + 2];
             for (int64_t n = first; n < last && scratch != NULL; n++) {
                 const int64_t t = token_indices[n];
-                lora_row(x + t * x_stride, y + t * y_stride, desc + slot * DESC_WIDTH,
-                         scales + slot * MAX_SLICES, in_features, scratch,
-                         scratch + max_rank);
+                lora_row_@(x + t * x_stride, y + t * y_stride, desc + slot * DESC_WIDTH,
+                           scales + slot * MAX_SLICES, in_features, scratch,
+                           scratch + max_rank);
             }
         }
         free(scratch);
     }
     return failed;
 }
-""".replace("MAX_SLICES", str(MAX_SLICES))
+"""
+
+_SOURCE = (_COMMON + instantiate(_TEMPLATE)).replace("MAX_SLICES", str(MAX_SLICES))
 
 
 def _declare(lib: ctypes.CDLL) -> None:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.rms_norm_f32.argtypes = [ptr, i64, ptr, ptr, i64, i64, ctypes.c_float, i64]
-    lib.rms_norm_f32.restype = None
-    lib.lora_segments_f32.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, ptr, ptr, i64, i64,
-                                      i64, i64]
-    lib.lora_segments_f32.restype = ctypes.c_int
-    lib.silu_mul_f32.argtypes = [ptr, i64, ptr, i64, i64, i64]
-    lib.silu_mul_f32.restype = None
+    for sfx in _SUFFIX.values():
+        fn = getattr(lib, f"rms_norm_{sfx}")
+        fn.argtypes, fn.restype = [ptr, i64, ptr, ptr, i64, i64, ctypes.c_float, i64], None
+        fn = getattr(lib, f"lora_segments_{sfx}")
+        fn.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64]
+        fn.restype = ctypes.c_int
+        fn = getattr(lib, f"silu_mul_{sfx}")
+        fn.argtypes, fn.restype = [ptr, i64, ptr, i64, i64, i64], None
+        fn = getattr(lib, f"write_kv_{sfx}")
+        fn.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64]
+        fn.restype = ctypes.c_int
     lib.argmax_rows_f32.argtypes = [ptr, i64, i64, i64, ptr, i64]
     lib.argmax_rows_f32.restype = None
-    lib.write_kv_f32.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64]
-    lib.write_kv_f32.restype = ctypes.c_int
 
+
+# The storage dtypes the templated kernels are built for, and their C names' suffixes.
+DTYPE_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+_SUFFIX = DTYPE_SUFFIX
 
 _library = LazyLibrary("cpu_ops", _SOURCE, _declare).get
 
 
 def available(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether these kernels serve `device`/`dtype` (builds them once)."""
-    return device.type == "cpu" and dtype == torch.float32 and _library() is not None
+    return device.type == "cpu" and dtype in _SUFFIX and _library() is not None
+
+
+def _kernel(name: str, dtype: torch.dtype) -> Any:
+    lib = _library()
+    assert lib is not None, "kernel not available: check available() first"
+    assert dtype in _SUFFIX, f"{name}: no {dtype} kernel"
+    return getattr(lib, f"{name}_{_SUFFIX[dtype]}")
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [T, H] float32 (rows with unit stride), weight [H] contiguous -> new [T, H]."""
-    lib = _library()
-    assert lib is not None, "kernel not available: check available() first"
+    """x [T, H] float32 or bfloat16 (rows with unit stride), weight [H] contiguous, of the
+    same dtype -> new [T, H]."""
+    kernel = _kernel("rms_norm", x.dtype)
     assert x.dim() == 2 and x.stride(1) == 1 and weight.is_contiguous(), (x.shape, x.stride())
-    assert x.dtype == weight.dtype == torch.float32 and weight.shape[0] == x.shape[1]
+    assert x.dtype == weight.dtype and weight.shape[0] == x.shape[1], (x.dtype, weight.dtype)
     out = torch.empty(x.shape, dtype=x.dtype)
-    lib.rms_norm_f32(x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(),
+    kernel(x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(),
                      x.shape[0], x.shape[1], eps, torch.get_num_threads())
     return out
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """gate_up [T, 2 I] float32 (rows with unit stride) -> new [T, I]: silu(gate) * up."""
-    lib = _library()
-    assert lib is not None, "kernel not available: check available() first"
+    """gate_up [T, 2 I] float32 or bfloat16 (rows with unit stride) -> new [T, I]:
+    silu(gate) * up."""
+    kernel = _kernel("silu_mul", gate_up.dtype)
     assert gate_up.dim() == 2 and gate_up.stride(1) == 1 and gate_up.shape[1] % 2 == 0
-    assert gate_up.dtype == torch.float32, gate_up.dtype
     num_rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty(num_rows, inter, dtype=gate_up.dtype)
-    lib.silu_mul_f32(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), num_rows, inter,
+    kernel(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), num_rows, inter,
                      torch.get_num_threads())
     return out
 
@@ -246,24 +280,24 @@ def write_kv(
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """`reference.write_kv_cache` in one call: key, value [T, KVH, D] float32 (each token's
-    heads contiguous) into slots slot_mapping [T] of the contiguous caches [NB, BS, KVH, D]."""
-    lib = _library()
-    assert lib is not None, "kernel not available: check available() first"
+    """`reference.write_kv_cache` in one call: key, value [T, KVH, D] float32 or bfloat16
+    (each token's heads contiguous) into slots slot_mapping [T] of the contiguous caches
+    [NB, BS, KVH, D] of the same dtype."""
+    kernel = _kernel("write_kv", key.dtype)
     num_tokens, num_kv_heads, head_dim = key.shape
     row = num_kv_heads * head_dim
     for t in (key, value):
-        assert t.dtype == torch.float32 and t.shape == key.shape, (t.dtype, t.shape)
+        assert t.dtype == key.dtype and t.shape == key.shape, (t.dtype, t.shape)
         assert t.stride(2) == 1 and t.stride(1) == head_dim, t.stride()
     for c in (key_cache, value_cache):
-        assert c.dtype == torch.float32 and c.is_contiguous() and c.shape == key_cache.shape
+        assert c.dtype == key.dtype and c.is_contiguous() and c.shape == key_cache.shape
         assert c.shape[2] * c.shape[3] == row, (c.shape, key.shape)
     assert slot_mapping.dtype == torch.long and slot_mapping.is_contiguous()
     assert slot_mapping.shape == (num_tokens,), (slot_mapping.shape, key.shape)
     if num_tokens == 0:
         return
     num_slots = key_cache.shape[0] * key_cache.shape[1]
-    failed = lib.write_kv_f32(
+    failed = kernel(
         key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), key_cache.data_ptr(),
         value_cache.data_ptr(), slot_mapping.data_ptr(), num_tokens, row, num_slots,
         torch.get_num_threads(),
@@ -285,18 +319,18 @@ def lora_segments(
 
     token_indices [N] long; segments [G >= 1, 3] long (start, end, slot), contiguous
     from 0; desc [num_slots, DESC_WIDTH] long and scales [num_slots, MAX_SLICES] float32
-    as `slot_descriptor` fills them, the tensors they point to alive.
+    as `slot_descriptor` fills them, the tensors they point to alive and of x's dtype
+    (float32 or bfloat16, as y).
     """
-    lib = _library()
-    assert lib is not None, "kernel not available: check available() first"
-    assert x.dtype == y.dtype == torch.float32 and x.stride(1) == 1 and y.stride(1) == 1
+    kernel = _kernel("lora_segments", x.dtype)
+    assert x.dtype == y.dtype and x.stride(1) == 1 and y.stride(1) == 1, (x.dtype, y.dtype)
     assert token_indices.dtype == segments.dtype == desc.dtype == torch.long
     assert segments.is_contiguous() and desc.is_contiguous() and token_indices.is_contiguous()
     assert desc.shape[1] == DESC_WIDTH and scales.shape == (desc.shape[0], MAX_SLICES)
     assert scales.dtype == torch.float32 and scales.is_contiguous()
     if segments.shape[0] == 0:
         return
-    failed = lib.lora_segments_f32(
+    failed = kernel(
         x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0), token_indices.data_ptr(),
         segments.data_ptr(), segments.shape[0], desc.data_ptr(), scales.data_ptr(),
         x.shape[1], y.shape[1], max_rank, torch.get_num_threads(),
@@ -309,12 +343,13 @@ def slot_descriptor(
     slices: tuple[tuple[torch.Tensor, torch.Tensor, float, int, int], ...],
 ) -> tuple[list[int], list[float]]:
     """One slot's rows of `desc` and `scales` for a PackedLoRA's slices (A [r, IN] and B^T
-    [r, OUT_k] contiguous float32, scaling, lo, hi)."""
+    [r, OUT_k] contiguous, float32 or bfloat16, scaling, lo, hi)."""
     assert len(slices) <= MAX_SLICES, len(slices)
     row = [len(slices)]
     scales = []
     for a, b_t, scaling, lo, hi in slices:
-        assert a.is_contiguous() and b_t.is_contiguous() and a.dtype == b_t.dtype == torch.float32
+        assert a.is_contiguous() and b_t.is_contiguous() and a.dtype == b_t.dtype
+        assert a.dtype in _SUFFIX, a.dtype
         assert a.shape[0] == b_t.shape[0] and b_t.shape[1] == hi - lo, (a.shape, b_t.shape)
         row += [a.data_ptr(), b_t.data_ptr(), a.shape[0], lo, hi]
         scales.append(scaling)

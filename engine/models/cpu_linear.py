@@ -5,6 +5,10 @@ knows only `nn.Linear`). oneDNN's blocked weight layout makes the skinny matmuls
 decode step (a few to a few dozen rows against the whole weight) about twice as fast
 as `F.linear` on plain row-major weights on AVX2 CPUs, and prefill a little faster;
 `bench/` records the effect. Results agree with `F.linear` to float32 rounding.
+
+bfloat16 weights are packed too where oneDNN has bf16 kernels for this CPU (AVX-512
+BF16 or AMX: `_is_mkldnn_bf16_supported`); they accumulate in float32 and round once,
+as `F.linear` in bf16 does.
 """
 
 from __future__ import annotations
@@ -21,13 +25,16 @@ PACKING_ROWS_HINT = 32
 
 
 def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
-    return (
+    if not (
         device.type == "cpu"
-        and dtype == torch.float32
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-    )
+    ):
+        return False
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return dtype == torch.float32
 
 
 class PackedLinear(nn.Module):

@@ -166,6 +166,34 @@ def test_paged_attention_uses_the_kernel_and_agrees_with_the_gather_path(
     torch.testing.assert_close(cache.key, gathered_cache.key, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize(
+    ("lens", "num_heads", "num_kv_heads", "head_dim"),
+    [([1], 4, 4, 8), ([200, 431, 16, 15, 17, 500, 3], 9, 3, 64), ([40, 2, 65], 4, 2, 128),
+     ([3, 50, 17, 16, 1, 99, 64, 33, 8, 120], 6, 2, 20)],
+)
+def test_bf16_kernel_matches_float32_attention_over_the_same_values(
+    lens: list[int], num_heads: int, num_kv_heads: int, head_dim: int
+) -> None:
+    """bf16 query and cache read as they are, scores and softmax in float32: the output is
+    float32 attention over the same (bf16) values, rounded once."""
+    key_cache, value_cache, tables, _, _ = _layout(lens, 16, num_kv_heads, head_dim, seed=5)
+    key_cache, value_cache = key_cache.bfloat16(), value_cache.bfloat16()
+    qk = torch.randn(len(lens), num_heads + num_kv_heads, head_dim).bfloat16()
+    query = qk[:, :num_heads]
+    context_lens = torch.tensor(lens)
+    scale = head_dim**-0.5
+    out = cpu_decode.paged_decode_attention(
+        query, key_cache, value_cache, tables, context_lens, max(lens), scale
+    )
+    assert out.dtype == torch.bfloat16
+    exact = ref.paged_decode_attention(query.float(), key_cache.float(), value_cache.float(),
+                                       tables, context_lens, scale)
+    # Within one bf16 rounding of float32 attention (2^-8 relative, half an ulp, plus
+    # float32's own differences in the sum's order).
+    torch.testing.assert_close(out.float(), exact, rtol=2**-8 + 1e-5, atol=1e-5)
+    assert (out == exact.bfloat16()).float().mean() > 0.98
+
+
 def test_other_dtypes_keep_the_torch_path() -> None:
-    assert not cpu_decode.available(torch.device("cpu"), torch.bfloat16)
+    assert not cpu_decode.available(torch.device("cpu"), torch.float16)
     assert not cpu_decode.available(torch.device("meta"), torch.float32)

@@ -30,6 +30,21 @@ def test_packed_linear_matches_f_linear(rows: int, bias: bool) -> None:
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.skipif(not packing_available(torch.device("cpu"), torch.bfloat16),
+                    reason="oneDNN has no bf16 linear kernels for this CPU")
+@pytest.mark.parametrize("rows", [1, 3, 32, 257])
+def test_packed_bf16_linear_is_float32_accumulation_rounded_once(rows: int) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(96, 80, generator=gen).bfloat16()
+    b = torch.randn(96, generator=gen).bfloat16()
+    x = torch.randn(rows, 80, generator=gen).bfloat16()
+    got = PackedLinear(weight, b)(x)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, 96)
+    exact = F.linear(x.float(), weight.float(), b.float())
+    torch.testing.assert_close(got.float(), exact, rtol=2**-8 + 1e-5, atol=1e-3)
+    torch.testing.assert_close(got, F.linear(x, weight, b), rtol=2**-7, atol=1e-3)
+
+
 @needs_packing
 def test_pack_linears_replaces_every_linear_and_ties_lm_head() -> None:
     class Tiny(nn.Module):

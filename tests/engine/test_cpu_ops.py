@@ -123,8 +123,9 @@ def test_argmax_rows_ranks_as_the_sampler_does() -> None:
     assert cpu_ops.argmax_rows(torch.empty(0, 5)).shape == (0,)
 
 
-def _group(slots: dict[int, list[LoRAModule | None]], *, kernel: bool) -> LoRAGroup:
-    group = LoRAGroup(6, 64, IN, SLICES, device=CPU, dtype=torch.float32)
+def _group(slots: dict[int, list[LoRAModule | None]], *, kernel: bool,
+           dtype: torch.dtype = torch.float32) -> LoRAGroup:
+    group = LoRAGroup(6, 64, IN, SLICES, device=CPU, dtype=dtype)
     assert group.cpu_kernel
     group.cpu_kernel = kernel
     for slot, modules in slots.items():
@@ -188,3 +189,92 @@ def test_long_segments_keep_the_matmuls(monkeypatch: pytest.MonkeyPatch) -> None
     y = torch.zeros(SMALL_SEGMENT_ROWS + 1, sum(SLICES))
     group.apply(y, x, segs)
     assert torch.count_nonzero(y) > 0
+
+
+# ------------------------------------------------------------------------------ bf16
+# Each bf16 kernel computes in float32 and rounds where the Hugging Face model's bf16 ops
+# round; it is held to that model's own formula (RMSNorm, SiLU and multiply) or to float32
+# over the same bf16 values, rounded once (the K/V write copies bits exactly).
+
+BF16_HALF_ULP = 2**-8  # relative: half the spacing of bf16 numbers (8 significant bits)
+
+
+def _hf_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm: normalize in float32, round, then times the weight."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+@pytest.mark.parametrize(("rows", "hidden"), [(1, 576), (7, 13), (33, 2048), (300, 64)])
+def test_bf16_rms_norm_matches_the_hf_formula(rows: int, hidden: int) -> None:
+    gen = torch.Generator().manual_seed(rows * hidden)
+    x = (torch.randn(rows, hidden + 3, generator=gen) * 3)[:, 3:].bfloat16()
+    x[0] *= 1e4
+    weight = torch.randn(hidden, generator=gen).bfloat16()
+    got = cpu_ops.rms_norm(x, weight, 1e-5)
+    want = _hf_rms_norm(x, weight, 1e-5)
+    assert got.dtype == torch.bfloat16 and got.is_contiguous()
+    # The row's scale is computed in double here, in float32 by HF: a normalized value
+    # that lies on a rounding boundary may round the other way (one ulp, seldom).
+    torch.testing.assert_close(got.float(), want.float(), rtol=4 * BF16_HALF_ULP, atol=1e-30)
+    assert (got == want).float().mean() > 0.97
+
+
+@pytest.mark.parametrize(("rows", "inter"), [(1, 1536), (3, 7), (300, 1536)])
+def test_bf16_silu_mul_matches_the_hf_formula(rows: int, inter: int) -> None:
+    gen = torch.Generator().manual_seed(rows + inter)
+    gate_up = (torch.randn(rows, 2 * inter + 5, generator=gen) * 8)[:, 5:].bfloat16()
+    edge = torch.tensor([0.0, -0.0, 1e-30, -1e-30, 20.0, -20.0, 80.0, -80.0, 87.0, -87.0])
+    gate_up[0, : min(inter, edge.numel())] = edge[:inter].bfloat16()
+    got = cpu_ops.silu_mul(gate_up)
+    want = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]  # two bf16 ops, as HF's MLP
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, inter)
+    torch.testing.assert_close(got.float(), want.float(), rtol=4 * BF16_HALF_ULP, atol=1e-30)
+    assert (got == want).float().mean() > 0.97
+    assert cpu_ops.silu_mul(torch.tensor([[float("nan"), 2.0]]).bfloat16()).isnan().all()
+
+
+def test_bf16_write_kv_copies_the_bits() -> None:
+    gen = torch.Generator().manual_seed(3)
+    qkv = torch.randn(40, 15 * 64, generator=gen).bfloat16()
+    key = qkv[:, 9 * 64 : 12 * 64].view(40, 3, 64)
+    value = qkv[:, 12 * 64 :].view(40, 3, 64)
+    slots = torch.randperm(20 * 16, generator=gen)[:40]
+    got = [torch.zeros(20, 16, 3, 64, dtype=torch.bfloat16) for _ in range(2)]
+    want = [torch.zeros(20, 16, 3, 64, dtype=torch.bfloat16) for _ in range(2)]
+    cpu_ops.write_kv(key, value, got[0], got[1], slots)
+    ref.write_kv_cache(key, value, want[0], want[1], slots)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    with pytest.raises(IndexError):
+        cpu_ops.write_kv(key[:1], value[:1], got[0], got[1], torch.tensor([20 * 16]))
+
+
+def _rounded(modules: list[LoRAModule | None]) -> list[LoRAModule | None]:
+    """The same adapter with its weights rounded to bf16 values (kept as float32)."""
+    return [None if m is None else LoRAModule(a=m.a.bfloat16().float(),
+                                              b=m.b.bfloat16().float(), scaling=m.scaling)
+            for m in modules]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_bf16_lora_segments_are_float32_over_the_same_values_rounded_once(seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    choices = [[16, 16, 16], [1, 0, 7], [0, 64, 0], [3, 3, 0], [0, 0, 0], [64, 64, 64]]
+    slots = {slot: _rounded(random_modules(gen, choices[(slot + seed) % len(choices)]))
+             for slot in range(6)}
+    token_slots = torch.randint(-1, 6, (SMALL_SEGMENT_ROWS,), generator=gen).tolist()
+    token_slots[0] = seed  # at least one adapted row
+    segs = ref.LoRASegments.from_token_slots(token_slots)
+    assert segs is not None
+    x = torch.randn(len(token_slots), IN, generator=gen).bfloat16()
+    y0 = (torch.randn(len(token_slots), sum(SLICES), generator=gen) * 30).bfloat16()
+    group = _group(slots, kernel=True, dtype=torch.bfloat16)
+    assert group.cpu_kernel
+    got = y0.clone()
+    group.apply(got, x, segs)
+    exact = y0.float()
+    _group(slots, kernel=True).apply(exact, x.float(), segs)
+    torch.testing.assert_close(got.float(), exact, rtol=BF16_HALF_ULP + 1e-5, atol=1e-6)
+    base_rows = [row for row, slot in enumerate(token_slots) if slot == -1]
+    assert torch.equal(got[base_rows], y0[base_rows])

@@ -140,8 +140,8 @@ _BEFORE = pytest.StashKey[dict[str, Entry]]()
 
 def isolate_environment(user_data: Path) -> Path:
     """Point this process and every process it starts at a fresh data dir, whose model
-    cache is the checkout's; forget the user's database, Redis and other LORAPLEX_
-    settings. Returns the new data dir (removed by `remove_isolated`)."""
+    cache is the checkout's, and at float32 engines; forget the user's database, Redis and
+    other LORAPLEX_ settings. Returns the new data dir (removed by `remove_isolated`)."""
     for name in list(os.environ):
         if name in _USER_SETTINGS or (
             name.startswith("LORAPLEX_") and not name.startswith(_KEPT_PREFIXES)
@@ -155,6 +155,10 @@ def isolate_environment(user_data: Path) -> Path:
     # converted by whichever process first needs it lands in the checkout's cache once.
     (data_dir / MODEL_CACHE).symlink_to(models.resolve(), target_is_directory=True)
     os.environ["LORAPLEX_DATA_DIR"] = str(data_dir)
+    # NOTE: `--dtype auto` serves bf16 on CPUs with bf16 units; the suite's engines compute
+    # in float32 unless a test asks otherwise, since its oracle tests compare exactly with
+    # Hugging Face in float32. The bf16 and auto tests name their dtype.
+    os.environ["LORAPLEX_DTYPE"] = "float32"
     return data_dir
 
 

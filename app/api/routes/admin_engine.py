@@ -76,6 +76,8 @@ def _worker_view(state: AppState, worker: WorkerStatus) -> WorkerView:
         prefix_cache_hit_rate=stats.prefix_cache_hits / queries if queries else None,
         adapter_cache=_cache_view(stats),
         adapters=_adapters(state, worker.adapters, worker.residency),
+        dtype=stats.dtype or None,
+        compute=stats.compute or None,
         url=worker.url,
         device=worker.device,
         mig_profile=worker.mig_profile,

@@ -48,6 +48,8 @@ class WorkerView(BaseModel):
     prefix_cache_hit_rate: float | None
     adapter_cache: AdapterCacheView | None
     adapters: list[EngineAdapterView]
+    dtype: str | None = None  # what the engine computes in (float32, bfloat16, float16)
+    compute: str | None = None  # the CPU and its bf16 units, or the GPU
     # Workers of a gateway (None for the in-process engine):
     url: str | None = None
     device: str | None = None

@@ -1,0 +1,117 @@
+"""`--dtype auto` on the CPU: bf16 where the CPU has bf16 units, float32 elsewhere, with
+the detection forced both ways; what the engine reports it picked."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import cpu_features
+from engine.config import EngineConfig
+from engine.cpu_features import CpuFeatures, auto_cpu_dtype, parse_cpuinfo
+from engine.model_runner import ModelRunner, resolve_device_dtype
+
+SAPPHIRE_RAPIDS = """processor\t: 0
+vendor_id\t: GenuineIntel
+model name\t: Intel(R) Xeon(R) Platinum 8480+
+flags\t\t: fpu sse2 avx2 avx512f avx512bw avx512_bf16 amx_bf16 amx_tile amx_int8
+processor\t: 1
+model name\t: Intel(R) Xeon(R) Platinum 8480+
+flags\t\t: fpu sse2 avx2 avx512f avx512bw avx512_bf16 amx_bf16 amx_tile amx_int8
+"""
+ZEN4 = """model name\t: AMD EPYC 9654 96-Core Processor
+flags\t\t: fpu sse2 avx2 avx512f avx512bw avx512_bf16
+"""
+SKYLAKE = """model name\t: Intel(R) Xeon(R) Gold 6148 CPU @ 2.40GHz
+flags\t\t: fpu sse2 avx2 avx512f avx512bw
+"""
+HASWELL = """model name\t: Intel(R) Xeon(R) CPU E5-2680 v3
+flags\t\t: fpu sse2 avx avx2 fma
+"""
+
+
+def _features(text: str) -> CpuFeatures:
+    model, flags = parse_cpuinfo(text)
+    return CpuFeatures(model_name=model, amx_bf16="amx_bf16" in flags,
+                       avx512_bf16="avx512_bf16" in flags, avx512="avx512f" in flags)
+
+
+@pytest.mark.parametrize(
+    ("text", "dtype", "described"),
+    [
+        (SAPPHIRE_RAPIDS, torch.bfloat16,
+         "Intel(R) Xeon(R) Platinum 8480+ (AMX-BF16, AVX-512 BF16)"),
+        (ZEN4, torch.bfloat16, "AMD EPYC 9654 96-Core Processor (AVX-512 BF16)"),
+        (SKYLAKE, torch.float32, "Intel(R) Xeon(R) Gold 6148 CPU @ 2.40GHz "
+                                 "(AVX-512, no bf16 units)"),
+        (HASWELL, torch.float32, "Intel(R) Xeon(R) CPU E5-2680 v3 (no AVX-512, no bf16 units)"),
+    ],
+)
+def test_auto_picks_bf16_only_where_the_cpu_has_bf16_units(
+    text: str, dtype: torch.dtype, described: str
+) -> None:
+    features = _features(text)
+    assert auto_cpu_dtype(features) == dtype
+    assert features.describe() == described
+
+
+def test_this_machines_cpu_is_read_from_proc_cpuinfo() -> None:
+    found = cpu_features.detect_cpu_features()
+    text = Path("/proc/cpuinfo").read_text()
+    assert found == _features(text)
+    # torch's own detection agrees on the AVX-512 BF16 unit.
+    assert found.avx512_bf16 == bool(torch.cpu._is_avx512_bf16_supported())
+
+
+@pytest.fixture
+def forced_cpu(monkeypatch: pytest.MonkeyPatch) -> Callable[[str], None]:
+    def force(text: str) -> None:
+        monkeypatch.setattr(cpu_features, "detect_cpu_features", lambda: _features(text))
+
+    return force
+
+
+@pytest.mark.parametrize("text", [SKYLAKE, HASWELL])
+def test_auto_keeps_float32_on_a_cpu_without_bf16_units(
+    text: str, forced_cpu: Callable[[str], None]
+) -> None:
+    forced_cpu(text)
+    assert resolve_device_dtype("cpu", "auto") == (torch.device("cpu"), torch.float32)
+    # asked for, bf16 is served anyway (emulated), and float32 whatever the CPU
+    assert resolve_device_dtype("cpu", "bfloat16")[1] == torch.bfloat16
+    forced_cpu(SAPPHIRE_RAPIDS)
+    assert resolve_device_dtype("cpu", "float32")[1] == torch.float32
+    assert resolve_device_dtype("cpu", "auto")[1] == torch.bfloat16
+
+
+def test_the_runner_serves_and_reports_what_auto_picked(
+    forced_cpu: Callable[[str], None], tiny_model_factory: Callable[[str], Path],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    model_dir = tiny_model_factory("llama_gqa")
+    config = EngineConfig(device="cpu", dtype="auto", kv_cache_tokens=256, max_loras=0)
+    forced_cpu(HASWELL)
+    with caplog.at_level("INFO", logger="engine.model_runner"):
+        runner = ModelRunner(config, model_dir)
+    assert runner.dtype == torch.float32
+    assert runner.model.embed_tokens.weight.dtype == torch.float32
+    assert runner.compute == "Intel(R) Xeon(R) CPU E5-2680 v3 (no AVX-512, no bf16 units)"
+    assert "float32 (--dtype auto; Intel(R) Xeon(R) CPU E5-2680 v3" in caplog.text
+    forced_cpu(ZEN4)
+    runner = ModelRunner(config, model_dir)
+    assert runner.dtype == torch.bfloat16
+    assert runner.kv_caches[0].key.dtype == torch.bfloat16
+    assert runner.compute == "AMD EPYC 9654 96-Core Processor (AVX-512 BF16)"
+
+
+def test_the_engine_dtype_comes_from_loraplex_dtype_unless_given(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("LORAPLEX_DTYPE", raising=False)
+    assert EngineConfig().dtype == "auto"
+    monkeypatch.setenv("LORAPLEX_DTYPE", "bfloat16")
+    assert EngineConfig().dtype == "bfloat16"
+    assert EngineConfig(dtype="float32").dtype == "float32"

@@ -1,0 +1,110 @@
+"""Hugging Face as the oracle of a bf16 engine: teacher-forced logprobs of its tokens.
+
+A bf16 engine cannot equal the float32 oracle bit for bit, nor HF's own bf16 path: HF
+rounds after every op, our kernels compute in float32 and round once. So the engine's
+greedy tokens are scored by HF (PEFT for an adapter) in one forward over prompt + tokens,
+in bfloat16 and in float32, and the logprobs compared position by position.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+import torch
+
+
+@cache
+def _hf(
+    model_dir: str, dtype: torch.dtype, adapters: tuple[tuple[str, str], ...]
+) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    if adapters:
+        from peft import PeftModel
+
+        (first_name, first_dir), *rest = adapters
+        model = PeftModel.from_pretrained(model, first_dir, adapter_name=first_name)
+        for name, adapter_dir in rest:
+            model.load_adapter(adapter_dir, adapter_name=name)
+    model.eval()
+    return model
+
+
+@torch.inference_mode()
+def hf_logprobs(
+    model_dir: Path,
+    dtype: torch.dtype,
+    prompt: list[int],
+    tokens: list[int],
+    *,
+    adapters: dict[str, Path] | None = None,
+    adapter: str | None = None,
+) -> torch.Tensor:
+    """[len(tokens), V] float32 log-softmax of HF's logits before each of `tokens`."""
+    key = tuple(sorted((n, str(p)) for n, p in (adapters or {}).items()))
+    model = _hf(str(model_dir), dtype, key)
+    ids = torch.tensor([prompt + tokens])
+    if key:
+        if adapter is None:
+            with model.disable_adapter():  # type: ignore[operator]
+                logits = model(input_ids=ids).logits
+        else:
+            model.set_adapter(adapter)  # type: ignore[operator]
+            logits = model(input_ids=ids).logits
+    else:
+        logits = model(input_ids=ids).logits
+    start = len(prompt) - 1
+    return torch.log_softmax(logits[0, start : start + len(tokens)].float(), dim=-1)
+
+
+@dataclass(slots=True)
+class Agreement:
+    """How one generation of the engine agrees with HF at bf16 and at float32."""
+
+    positions: int = 0
+    top1_agree: int = 0  # positions where our token is HF bf16's argmax
+    top1_agree_clear: int = 0  # ... of the positions where HF bf16's top-2 margin is clear
+    clear: int = 0
+    top1_agree_f32: int = 0  # positions where our token is HF float32's argmax
+    hf_bf16_agree_f32: int = 0  # ... where HF bf16's argmax is HF float32's
+    max_abs_vs_bf16: float = 0.0  # |our logprob - HF bf16's| of our token, worst position
+    sq_vs_f32: float = 0.0  # sums of squares over positions, against HF float32:
+    sq_hf_bf16_vs_f32: float = 0.0  # ... ours, and HF bf16's own
+
+    def add(self, ours: list[float], tokens: list[int], bf16: torch.Tensor,
+            f32: torch.Tensor, *, clear_margin: float) -> None:
+        for i, (token, logprob) in enumerate(zip(tokens, ours, strict=True)):
+            self.positions += 1
+            top2 = bf16[i].topk(2)
+            agree = int(top2.indices[0]) == token
+            self.top1_agree += agree
+            f32_best = int(f32[i].argmax())
+            self.top1_agree_f32 += f32_best == token
+            self.hf_bf16_agree_f32 += f32_best == int(top2.indices[0])
+            if float(top2.values[0] - top2.values[1]) > clear_margin:
+                self.clear += 1
+                self.top1_agree_clear += agree
+            diff = abs(logprob - float(bf16[i, token]))
+            if diff > self.max_abs_vs_bf16:
+                self.max_abs_vs_bf16 = diff
+            self.sq_vs_f32 += (logprob - float(f32[i, token])) ** 2
+            self.sq_hf_bf16_vs_f32 += float(bf16[i, token] - f32[i, token]) ** 2
+
+    @property
+    def rms_vs_f32(self) -> float:
+        return math.sqrt(self.sq_vs_f32 / max(1, self.positions))
+
+    @property
+    def rms_hf_bf16_vs_f32(self) -> float:
+        return math.sqrt(self.sq_hf_bf16_vs_f32 / max(1, self.positions))
+
+    def summary(self) -> str:
+        return (f"{self.positions} positions: top-1 as HF bf16 {self.top1_agree}, clear "
+                f"{self.top1_agree_clear}/{self.clear}; top-1 as HF float32: ours "
+                f"{self.top1_agree_f32}, HF bf16 {self.hf_bf16_agree_f32}; max |ours - HF bf16| "
+                f"{self.max_abs_vs_bf16:.4f}; RMS vs HF float32: ours {self.rms_vs_f32:.4f}, "
+                f"HF bf16 {self.rms_hf_bf16_vs_f32:.4f}")
