@@ -93,7 +93,12 @@ def memory_bandwidth_gbs(mib: int = 512, iters: int = 5) -> dict[str, float]:
 
 # Scopes the profiled steps are wrapped in (see _scoped); ops outside every scope are
 # classified by name.
-_SCOPES = ("prepare_inputs", "lora", "attention", "norms", "rope", "lm_head", "sampling")
+_SCOPES = ("prepare_inputs", "lora", "attention", "norms", "rope", "lm_head", "sampling",
+           "activation")
+# A scope's own time (outside the ops inside it: the C kernels' calls, and Python) counts
+# to this part; the attention scope's is mostly the K/V write's C call.
+_SCOPE_SELF_PART = {"attention": "kv_write", "lora": "lora", "norms": "norms", "rope": "rope",
+                    "activation": "activation", "lm_head": "lm_head", "sampling": "sampling"}
 _KERNEL_SCOPE = "decode_kernel"
 
 
@@ -142,6 +147,10 @@ def _scoped(core: Any) -> Iterator[None]:
         (core, "sampler", core.sampler),
     ]
     names = ["prepare_inputs", "lora", "attention", "norms", "rope", "lm_head", "sampling"]
+    from loraplex_kernels import cpu_ops
+
+    patches.append((cpu_ops, "silu_mul", cpu_ops.silu_mul))
+    names.append("activation")
     try:  # trees without the CPU decode kernel profile without it
         from loraplex_kernels import cpu_decode
 
@@ -174,7 +183,13 @@ def profile_parts(core: Any, steps: int) -> dict[str, float]:
                 parts.get("decode_attention", 0.0) + event.self_cpu_time_total / 1e6
             )
             continue
-        if event.name in _SCOPES or event.name.startswith("ProfilerStep"):
+        if event.name in _SCOPES:
+            part = _SCOPE_SELF_PART.get(event.name)
+            if part is not None and (event.cpu_parent is None
+                                     or event.cpu_parent.name not in _SCOPES):
+                parts[part] = parts.get(part, 0.0) + event.self_cpu_time_total / 1e6
+            continue
+        if event.name.startswith("ProfilerStep"):
             continue
         parent = event.cpu_parent
         # Only outermost ops: a nested op's time is inside its parent op's.

@@ -50,10 +50,10 @@ typedef struct {
 
 /* Sequence s, KV heads [h0, h1): every cached row is read once, in place, and all the
    query heads of those KV heads are done with it. scores: [(h1 - h0) * groups, len];
-   acc: [(h1 - h0) * groups * hd], the output before it is stored. */
+   acc: [(h1 - h0) * groups * hd], the output before it is stored; vrow: [hd]. */
 static inline __attribute__((always_inline)) void attend_impl_@(
     const Args_@ *a, int64_t s, int64_t h0, int64_t h1, float *restrict scores,
-    float *restrict acc, const int64_t hd) {
+    float *restrict acc, float *restrict vrow, const int64_t hd) {
     const int64_t groups = a->num_heads / a->num_kv_heads;
     const int64_t bs = a->block_size;
     const int64_t row = a->num_kv_heads * hd; /* one token slot of the cache */
@@ -103,10 +103,16 @@ static inline __attribute__((always_inline)) void attend_impl_@(
             if (next != NULL) prefetch_row(next + i * row, row_bytes);
             for (int64_t kh = 0, j = 0; kh < h1 - h0; kh++) {
                 const scalar_t *restrict vi = v + i * row + kh * hd;
+                /* bf16: the row in float32 once, for all of its query heads */
+                const float *restrict vf = (const float *)vi;
+                if (sizeof(scalar_t) != sizeof(float)) {
+                    for (int64_t d = 0; d < hd; d++) vrow[d] = ld_@(vi[d]);
+                    vf = vrow;
+                }
                 for (int64_t g = 0; g < groups; g++, j++) {
                     const float p = scores[j * len + t0 + i];
                     float *restrict oj = acc + j * hd;
-                    for (int64_t d = 0; d < hd; d++) oj[d] += p * ld_@(vi[d]);
+                    for (int64_t d = 0; d < hd; d++) oj[d] += p * vf[d];
                 }
             }
         }
@@ -116,11 +122,11 @@ static inline __attribute__((always_inline)) void attend_impl_@(
 
 /* Head dims the models use get a loop of known length (unrolled, in registers). */
 static void attend_@(const Args_@ *a, int64_t s, int64_t h0, int64_t h1,
-                     float *restrict scores, float *restrict acc) {
+                     float *restrict scores, float *restrict acc, float *restrict vrow) {
     switch (a->head_dim) {
-    case 64: attend_impl_@(a, s, h0, h1, scores, acc, 64); break;
-    case 128: attend_impl_@(a, s, h0, h1, scores, acc, 128); break;
-    default: attend_impl_@(a, s, h0, h1, scores, acc, a->head_dim);
+    case 64: attend_impl_@(a, s, h0, h1, scores, acc, vrow, 64); break;
+    case 128: attend_impl_@(a, s, h0, h1, scores, acc, vrow, 128); break;
+    default: attend_impl_@(a, s, h0, h1, scores, acc, vrow, a->head_dim);
     }
 }
 
@@ -145,7 +151,7 @@ int paged_decode_attention_@(
     {
         const int64_t width = max_len > 0 ? max_len : 1;
         const int64_t heads = num_heads / split;
-        float *scores = (float *)malloc(sizeof(float) * heads * (width + head_dim));
+        float *scores = (float *)malloc(sizeof(float) * (heads * (width + head_dim) + head_dim));
         if (scores == NULL) {
 #pragma omp atomic write
             failed = 1;
@@ -154,7 +160,8 @@ int paged_decode_attention_@(
         for (int64_t item = 0; item < num_seqs * split; item++) {
             const int64_t s = item / split, h0 = (item % split) * per_item;
             if (scores != NULL)
-                attend_@(&a, s, h0, h0 + per_item, scores, scores + heads * width);
+                attend_@(&a, s, h0, h0 + per_item, scores, scores + heads * width,
+                         scores + heads * (width + head_dim));
         }
         free(scores);
     }

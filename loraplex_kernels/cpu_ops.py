@@ -194,7 +194,35 @@ int lora_segments_@(const scalar_t *x, int64_t x_stride, scalar_t *y, int64_t y_
 }
 """
 
-_SOURCE = (_COMMON + instantiate(_TEMPLATE)).replace("MAX_SLICES", str(MAX_SLICES))
+# bf16 only: in float32 the torch op's rounding is kept (the exact-equality tests compare
+# float32 with Hugging Face bit for bit), and it costs little there.
+_ROPE_TEMPLATE = r"""
+/* In place: x [T, N, D] (tokens token_stride apart, heads contiguous, pairs (2i, 2i+1))
+   rotated by rope [T, D / 2] (cos, sin) pairs, rope_stride floats apart, in float32 and
+   rounded once: (x0 + i x1) (cos + i sin). */
+void rope_interleaved_@(scalar_t *x, int64_t token_stride, int64_t num_tokens,
+                        int64_t num_heads, int64_t head_dim, const float *rope,
+                        int64_t rope_stride, int64_t num_threads) {
+    const int64_t work = num_tokens * num_heads * head_dim;
+#pragma omp parallel for num_threads(num_threads) if (work >= 262144)
+    for (int64_t t = 0; t < num_tokens; t++) {
+        const float *restrict cs = rope + t * rope_stride;
+        for (int64_t h = 0; h < num_heads; h++) {
+            scalar_t *restrict xh = x + t * token_stride + h * head_dim;
+            for (int64_t i = 0; i < head_dim / 2; i++) {
+                const float x0 = ld_@(xh[2 * i]), x1 = ld_@(xh[2 * i + 1]);
+                const float c = cs[2 * i], sn = cs[2 * i + 1];
+                xh[2 * i] = st_@(x0 * c - x1 * sn);
+                xh[2 * i + 1] = st_@(x0 * sn + x1 * c);
+            }
+        }
+    }
+}
+"""
+
+_SOURCE = (
+    _COMMON + instantiate(_TEMPLATE) + instantiate(_ROPE_TEMPLATE, ("bfloat16",))
+).replace("MAX_SLICES", str(MAX_SLICES))
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -212,6 +240,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         fn.restype = ctypes.c_int
     lib.argmax_rows_f32.argtypes = [ptr, i64, i64, i64, ptr, i64]
     lib.argmax_rows_f32.restype = None
+    lib.rope_interleaved_bf16.argtypes = [ptr, i64, i64, i64, i64, ptr, i64, i64]
+    lib.rope_interleaved_bf16.restype = None
 
 
 # The storage dtypes the templated kernels are built for, and their C names' suffixes.
@@ -255,6 +285,23 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     kernel(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), num_rows, inter,
                      torch.get_num_threads())
     return out
+
+
+def rope_in_place(x: torch.Tensor, rope: torch.Tensor) -> None:
+    """`reference.apply_rope_interleaved` into x itself: x [T, N, D] bfloat16 (heads and
+    head_dim contiguous, tokens any stride apart), rope [T, 1, D / 2] complex64 with
+    contiguous rows."""
+    lib = _library()
+    assert lib is not None, "kernel not available: check available() first"
+    num_tokens, num_heads, head_dim = x.shape
+    assert x.dtype == torch.bfloat16 and x.stride(2) == 1 and x.stride(1) == head_dim
+    assert rope.dtype == torch.complex64 and rope.shape == (num_tokens, 1, head_dim // 2)
+    pairs = torch.view_as_real(rope)  # [T, 1, D / 2, 2]
+    assert pairs.stride(2) == 2 and pairs.stride(3) == 1, pairs.stride()
+    if num_tokens == 0:
+        return
+    lib.rope_interleaved_bf16(x.data_ptr(), x.stride(0), num_tokens, num_heads, head_dim,
+                              pairs.data_ptr(), pairs.stride(0), torch.get_num_threads())
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:

@@ -53,7 +53,13 @@ class LlamaAttention(nn.Module):
         self.o_lora: LoRAGroup | None = None
 
     def rope_qk(self, qk: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        """q and k heads [T, H + KVH, D] -> rotated, in one pass."""
+        """q and k heads [T, H + KVH, D] -> rotated, in one pass (bf16 on the CPU: in
+        place, in one call)."""
+        if (qk.dtype == torch.bfloat16 and qk.stride(2) == 1
+                and qk.stride(1) == qk.shape[2] and rope.is_contiguous()
+                and cpu_ops.available(qk.device, qk.dtype)):
+            cpu_ops.rope_in_place(qk, rope)
+            return qk
         return ref.apply_rope_interleaved(qk, rope)
 
     def forward(

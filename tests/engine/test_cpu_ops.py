@@ -278,3 +278,19 @@ def test_bf16_lora_segments_are_float32_over_the_same_values_rounded_once(seed: 
     torch.testing.assert_close(got.float(), exact, rtol=BF16_HALF_ULP + 1e-5, atol=1e-6)
     base_rows = [row for row, slot in enumerate(token_slots) if slot == -1]
     assert torch.equal(got[base_rows], y0[base_rows])
+
+
+@pytest.mark.parametrize(("tokens", "heads", "head_dim"), [(1, 12, 64), (37, 4, 8), (300, 12, 64)])
+def test_bf16_rope_in_place_rotates_as_the_reference(tokens: int, heads: int,
+                                                      head_dim: int) -> None:
+    gen = torch.Generator().manual_seed(tokens)
+    qkv = (torch.randn(tokens, (heads + 2) * head_dim, generator=gen) * 4).bfloat16()
+    qk = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)  # a view, as the model's
+    angles = torch.rand(tokens, 1, head_dim // 2, generator=gen) * 100
+    rope = torch.polar(torch.ones_like(angles), angles)
+    want = ref.apply_rope_interleaved(qk, rope)  # float32 rotation, rounded once
+    rest = qkv[:, heads * head_dim :].clone()
+    cpu_ops.rope_in_place(qk, rope)
+    torch.testing.assert_close(qk.float(), want.float(), rtol=2 * BF16_HALF_ULP, atol=1e-30)
+    assert (qk == want).float().mean() > 0.99
+    assert torch.equal(qkv[:, heads * head_dim :], rest)  # only the rotated heads change
