@@ -10,28 +10,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import cache
 from pathlib import Path
 
 import torch
 
-
-@cache
-def _hf(
-    model_dir: str, dtype: torch.dtype, adapters: tuple[tuple[str, str], ...]
-) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
-    if adapters:
-        from peft import PeftModel
-
-        (first_name, first_dir), *rest = adapters
-        model = PeftModel.from_pretrained(model, first_dir, adapter_name=first_name)
-        for name, adapter_dir in rest:
-            model.load_adapter(adapter_dir, adapter_name=name)
-    model.eval()
-    return model
+from tests.utils.hf_oracle import hf_model, peft_model
 
 
 @torch.inference_mode()
@@ -46,7 +29,7 @@ def hf_logprobs(
 ) -> torch.Tensor:
     """[len(tokens), V] float32 log-softmax of HF's logits before each of `tokens`."""
     key = tuple(sorted((n, str(p)) for n, p in (adapters or {}).items()))
-    model = _hf(str(model_dir), dtype, key)
+    model = peft_model(str(model_dir), key, dtype) if key else hf_model(str(model_dir), dtype)
     ids = torch.tensor([prompt + tokens])
     if key:
         if adapter is None:

@@ -9,10 +9,10 @@ import torch
 
 
 @cache
-def _hf_model(model_dir: str) -> torch.nn.Module:
+def hf_model(model_dir: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
     model.eval()
     return model
 
@@ -22,7 +22,7 @@ def hf_greedy(
     model_dir: Path, prompt_token_ids: list[int], max_new_tokens: int, *, ignore_eos: bool = False
 ) -> list[int]:
     """Token ids HF generates after the prompt, EOS included when it stops on one."""
-    return _greedy(_hf_model(str(model_dir)), prompt_token_ids, max_new_tokens, ignore_eos)
+    return _greedy(hf_model(str(model_dir)), prompt_token_ids, max_new_tokens, ignore_eos)
 
 
 def _greedy(
@@ -45,12 +45,13 @@ def _greedy(
 
 
 @cache
-def _peft_model(model_dir: str, adapters: tuple[tuple[str, str], ...]) -> torch.nn.Module:
+def peft_model(model_dir: str, adapters: tuple[tuple[str, str], ...],
+               dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     """One base model with every adapter loaded under its name (PEFT `load_adapter`)."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
     (first_name, first_dir), *rest = adapters
     model = PeftModel.from_pretrained(base, first_dir, adapter_name=first_name)
     for name, adapter_dir in rest:
@@ -68,7 +69,7 @@ def peft_greedy(
     max_new_tokens: int,
 ) -> list[int]:
     """Greedy token ids of Hugging Face PEFT running `adapter` alone (set_adapter)."""
-    model = _peft_model(
+    model = peft_model(
         str(model_dir), tuple(sorted((name, str(path)) for name, path in adapters.items()))
     )
     model.set_adapter(adapter)  # type: ignore[operator]
