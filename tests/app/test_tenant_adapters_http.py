@@ -11,8 +11,10 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import torch
 
 from engine.async_engine import AsyncEngine
+from engine.model_runner import describe_compute
 from tests.utils.hf_oracle import hf_greedy, peft_greedy
 from tests.utils.peft_adapters import make_peft_adapter
 from tests.utils.real_service import real_service
@@ -156,6 +158,9 @@ def test_admin_engine_shows_residency(service: Service) -> None:
         view = client.get("/admin/engine", headers=bearer(ADMIN_KEY)).json()
     [worker] = view["workers"]
     assert worker["adapter_cache"]["device_slots"] == 2
+    # What the engine computes in and on (the suite's engines run float32).
+    assert worker["dtype"] == "float32"
+    assert worker["compute"] == describe_compute(torch.device("cpu"))
     names = {a["name"]: a for a in worker["adapters"]}
     assert names["house-style"]["tenant_id"] is None
     assert names["house-style"]["slot"] is not None  # just used: on the device

@@ -17,6 +17,7 @@ from torch import nn
 
 from engine.attention import allocate_kv_cache
 from engine.config import EngineConfig
+from engine.cpu_features import auto_cpu_dtype
 from engine.host_memory import IdleTrimmer, release_free_memory
 from engine.model_loader import load_model_config
 from engine.model_runner import ModelRunner, resolve_device_dtype
@@ -134,7 +135,8 @@ def test_auto_dtype_on_cuda_is_bf16_where_supported_else_fp16(
     FakeCuda(capability=capability).install(monkeypatch)
     assert resolve_device_dtype("cuda:0", "auto") == (torch.device("cuda:0"), expected)
     assert resolve_device_dtype("cuda:0", "float16")[1] == torch.float16
-    assert resolve_device_dtype("cpu", "auto")[1] == torch.float32
+    # The CPU's auto follows its bf16 units (tests/engine/test_cpu_features.py forces both).
+    assert resolve_device_dtype("cpu", "auto")[1] == auto_cpu_dtype()
 
 
 def test_bf16_on_a_gpu_without_it_is_refused_naming_fp16(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
+from engine.cpu_features import auto_cpu_dtype
 from engine.model_runner import CPU_DEFAULT_KV_CACHE_TOKENS, ModelRunner, resolve_device_dtype
 from engine.request import Request, SamplingParams, ScheduledChunk, SchedulerOutput
 from tests.utils.tiny_models import random_prompt
@@ -31,11 +32,14 @@ def _request(
 
 def test_resolve_device_dtype() -> None:
     cpu = torch.device("cpu")
+    # auto on the CPU: bf16 where it has bf16 units, else float32 (test_cpu_features.py
+    # forces both ways).
     if not torch.cuda.is_available():
-        assert resolve_device_dtype("auto", "auto") == (cpu, torch.float32)
+        assert resolve_device_dtype("auto", "auto") == (cpu, auto_cpu_dtype())
         with pytest.raises(ValueError, match="CUDA is not available"):
             resolve_device_dtype("cuda", "auto")
-    assert resolve_device_dtype("cpu", "auto") == (cpu, torch.float32)
+    assert resolve_device_dtype("cpu", "auto") == (cpu, auto_cpu_dtype())
+    assert resolve_device_dtype("cpu", "float32") == (cpu, torch.float32)
     assert resolve_device_dtype("cpu", "bfloat16") == (cpu, torch.bfloat16)
     with pytest.raises(ValueError, match="unknown dtype 'int8'"):
         resolve_device_dtype("cpu", "int8")
