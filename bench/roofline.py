@@ -33,6 +33,7 @@ import torch
 from bench.throughput import machine_description, print_row
 from engine.config import EngineConfig, default_data_dir
 from engine.model_loader import load_model_config, resolve_model
+from engine.model_runner import dtype_name
 
 
 @dataclass(slots=True)
@@ -349,7 +350,7 @@ def run_roofline(opts: RooflineOptions) -> dict[str, Any]:
     peak = matmul_peak_gflops(dtype=dtype)
     bandwidth = memory_bandwidth_gbs()
     bw = max(bandwidth.values())
-    print_row("machine", {"dtype": str(dtype).removeprefix("torch."),
+    print_row("machine", {"dtype": dtype_name(dtype),
                           "matmul_gflops": round(peak, 1), **{
         f"{k}_gb_s": round(v, 2) for k, v in bandwidth.items()}})
     adapter_names: list[str] = []
@@ -402,6 +403,7 @@ def run_roofline(opts: RooflineOptions) -> dict[str, Any]:
             memory_s = moved / (bw * 1e9)
             compute_s = model["flops"] / (peak * 1e9)
             bound_s = max(memory_s, compute_s)
+            linear_gflops = _gflops(model["layer_linear_flops"], parts.get("linear"))
             results[name] = {
                 "step_ms": round(step_s * 1000, 2),
                 "parts_ms": {k: round(v * 1000, 2) for k, v in parts.items()},
@@ -412,10 +414,9 @@ def run_roofline(opts: RooflineOptions) -> dict[str, Any]:
                 "bound": "memory" if memory_s >= compute_s else "compute",
                 "roofline_fraction": round(bound_s / step_s, 3),
                 "kv_ideal_ms": round(model["kv_read_bytes"] / (bw * 1e9) * 1000, 2),
-                "linear_gflops": _gflops(model["layer_linear_flops"], parts.get("linear")),
+                "linear_gflops": linear_gflops,
                 "lm_head_gflops": _gflops(model["lm_head_flops"], parts.get("lm_head")),
-                "linear_share_of_peak": round(
-                    _gflops(model["layer_linear_flops"], parts.get("linear")) / peak, 3),
+                "linear_share_of_peak": round(linear_gflops / peak, 3),
             }
             if compared is not None:
                 results[name]["kernel_vs_gather_step_ms"] = compared
@@ -431,7 +432,7 @@ def run_roofline(opts: RooflineOptions) -> dict[str, Any]:
         "options": {
             "num_seqs": opts.num_seqs, "context_len": list(opts.context_len),
             "num_adapters": opts.num_adapters, "rank": opts.rank, "targets": opts.targets,
-            "dtype": str(dtype).removeprefix("torch."), "fast_paths": core.runner.fast_paths(),
+            "dtype": dtype_name(dtype), "fast_paths": core.runner.fast_paths(),
             "steps": opts.steps, "repeats": opts.repeats, "threads": torch.get_num_threads(),
             "compare_gather": opts.compare_gather, "compare_cpu_ops": opts.compare_cpu_ops,
         },

@@ -50,21 +50,31 @@ def parse_cpuinfo(text: str) -> tuple[str, set[str]]:
     return model, flags
 
 
+def features_from_cpuinfo(text: str) -> CpuFeatures | None:
+    """What /proc/cpuinfo's text says; None when it lists no flags."""
+    model, flags = parse_cpuinfo(text)
+    if not flags:
+        return None
+    return CpuFeatures(
+        model_name=model,
+        amx_bf16="amx_bf16" in flags,
+        avx512_bf16="avx512_bf16" in flags,
+        avx512="avx512f" in flags,
+    )
+
+
 @functools.cache
 def detect_cpu_features() -> CpuFeatures:
     """This machine's CPU, read once: /proc/cpuinfo's flags where there are any, else
     what torch's cpuinfo reports."""
     try:
-        model, flags = parse_cpuinfo(Path("/proc/cpuinfo").read_text())
+        text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        model, flags = "", set()
-    if flags:
-        return CpuFeatures(
-            model_name=model,
-            amx_bf16="amx_bf16" in flags,
-            avx512_bf16="avx512_bf16" in flags,
-            avx512="avx512f" in flags,
-        )
+        text = ""
+    found = features_from_cpuinfo(text)
+    if found is not None:
+        return found
+    model, _ = parse_cpuinfo(text)
     return CpuFeatures(
         model_name=model,
         amx_bf16=bool(torch.cpu._is_amx_tile_supported()),

@@ -18,7 +18,7 @@ import ctypes
 import torch
 
 from loraplex_kernels.cpu_build import C_BF16, C_DOT, C_EXP, LazyLibrary, instantiate
-from loraplex_kernels.cpu_ops import DTYPE_SUFFIX as _SUFFIX
+from loraplex_kernels.cpu_ops import DTYPE_SUFFIX, kernel_for
 
 _COMMON = C_DOT + C_BF16 + C_EXP + r"""
 #include <math.h>
@@ -173,7 +173,7 @@ _SOURCE = _COMMON + instantiate(_TEMPLATE)
 
 def _declare(lib: ctypes.CDLL) -> None:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    for sfx in _SUFFIX.values():
+    for sfx in DTYPE_SUFFIX.values():
         fn = getattr(lib, f"paged_decode_attention_{sfx}")
         fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64,
                        ctypes.c_float, i64, i64]
@@ -188,7 +188,7 @@ _library = LazyLibrary("paged_decode", _SOURCE, _declare,
 
 def available(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether decode attention on `device`/`dtype` runs this kernel (builds it once)."""
-    return device.type == "cpu" and dtype in _SUFFIX and _library() is not None
+    return device.type == "cpu" and dtype in DTYPE_SUFFIX and _library() is not None
 
 
 def paged_decode_attention(
@@ -207,14 +207,12 @@ def paged_decode_attention(
     contiguous); context_lens [S] long, each in [1, M * BS] and at most max_context_len.
     Returns [S, H, D].
     """
-    lib = _library()
-    assert lib is not None, "kernel not available: check available() first"
+    kernel = kernel_for(_library(), "paged_decode_attention", query.dtype)
     num_seqs, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, cache_head_dim = key_cache.shape
     assert cache_head_dim == head_dim and num_heads % num_kv_heads == 0, (
         query.shape, key_cache.shape)
     assert query.dtype == key_cache.dtype == value_cache.dtype, (query.dtype, key_cache.dtype)
-    assert query.dtype in _SUFFIX, query.dtype
     assert query.stride(2) == 1 and query.stride(1) == head_dim, query.stride()
     assert key_cache.is_contiguous() and value_cache.is_contiguous()
     assert value_cache.shape == key_cache.shape
@@ -225,7 +223,7 @@ def paged_decode_attention(
     out = torch.empty(num_seqs, num_heads, head_dim, dtype=query.dtype)
     if num_seqs == 0:
         return out
-    failed = getattr(lib, f"paged_decode_attention_{_SUFFIX[query.dtype]}")(
+    failed = kernel(
         query.data_ptr(), query.stride(0), key_cache.data_ptr(), value_cache.data_ptr(),
         block_tables.data_ptr(), block_tables.stride(0), context_lens.data_ptr(),
         out.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale,

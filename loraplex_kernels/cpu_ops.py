@@ -32,7 +32,14 @@ from typing import Any
 
 import torch
 
-from loraplex_kernels.cpu_build import C_BF16, C_DOT, C_EXP, LazyLibrary, instantiate
+from loraplex_kernels.cpu_build import (
+    C_BF16,
+    C_DOT,
+    C_EXP,
+    C_TYPES,
+    LazyLibrary,
+    instantiate,
+)
 
 # Slices per LoRA group at most (Llama's qkv has three); the descriptor's width follows:
 # the number of slices, then (A pointer, B^T pointer, rank, lo, hi) per slice.
@@ -227,7 +234,7 @@ _SOURCE = (
 
 def _declare(lib: ctypes.CDLL) -> None:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    for sfx in _SUFFIX.values():
+    for sfx in DTYPE_SUFFIX.values():
         fn = getattr(lib, f"rms_norm_{sfx}")
         fn.argtypes, fn.restype = [ptr, i64, ptr, ptr, i64, i64, ctypes.c_float, i64], None
         fn = getattr(lib, f"lora_segments_{sfx}")
@@ -245,22 +252,26 @@ def _declare(lib: ctypes.CDLL) -> None:
 
 
 # The storage dtypes the templated kernels are built for, and their C names' suffixes.
-DTYPE_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
-_SUFFIX = DTYPE_SUFFIX
+DTYPE_SUFFIX: dict[torch.dtype, str] = {getattr(torch, name): sfx
+                                        for name, (_, sfx) in C_TYPES.items()}
 
 _library = LazyLibrary("cpu_ops", _SOURCE, _declare).get
 
 
 def available(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether these kernels serve `device`/`dtype` (builds them once)."""
-    return device.type == "cpu" and dtype in _SUFFIX and _library() is not None
+    return device.type == "cpu" and dtype in DTYPE_SUFFIX and _library() is not None
+
+
+def kernel_for(lib: ctypes.CDLL | None, name: str, dtype: torch.dtype) -> Any:
+    """The build of kernel `name` for `dtype` in `lib` (`name_f32`, `name_bf16`)."""
+    assert lib is not None, "kernel not available: check available() first"
+    assert dtype in DTYPE_SUFFIX, f"{name}: no {dtype} kernel"
+    return getattr(lib, f"{name}_{DTYPE_SUFFIX[dtype]}")
 
 
 def _kernel(name: str, dtype: torch.dtype) -> Any:
-    lib = _library()
-    assert lib is not None, "kernel not available: check available() first"
-    assert dtype in _SUFFIX, f"{name}: no {dtype} kernel"
-    return getattr(lib, f"{name}_{_SUFFIX[dtype]}")
+    return kernel_for(_library(), name, dtype)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -270,8 +281,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     assert x.dim() == 2 and x.stride(1) == 1 and weight.is_contiguous(), (x.shape, x.stride())
     assert x.dtype == weight.dtype and weight.shape[0] == x.shape[1], (x.dtype, weight.dtype)
     out = torch.empty(x.shape, dtype=x.dtype)
-    kernel(x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(),
-                     x.shape[0], x.shape[1], eps, torch.get_num_threads())
+    kernel(x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1],
+           eps, torch.get_num_threads())
     return out
 
 
@@ -283,7 +294,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     num_rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty(num_rows, inter, dtype=gate_up.dtype)
     kernel(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), num_rows, inter,
-                     torch.get_num_threads())
+           torch.get_num_threads())
     return out
 
 
@@ -291,17 +302,17 @@ def rope_in_place(x: torch.Tensor, rope: torch.Tensor) -> None:
     """`reference.apply_rope_interleaved` into x itself: x [T, N, D] bfloat16 (heads and
     head_dim contiguous, tokens any stride apart), rope [T, 1, D / 2] complex64 with
     contiguous rows."""
-    lib = _library()
-    assert lib is not None, "kernel not available: check available() first"
+    assert x.dtype == torch.bfloat16, x.dtype  # its only build (see _ROPE_TEMPLATE)
+    kernel = _kernel("rope_interleaved", x.dtype)
     num_tokens, num_heads, head_dim = x.shape
-    assert x.dtype == torch.bfloat16 and x.stride(2) == 1 and x.stride(1) == head_dim
+    assert x.stride(2) == 1 and x.stride(1) == head_dim, x.stride()
     assert rope.dtype == torch.complex64 and rope.shape == (num_tokens, 1, head_dim // 2)
     pairs = torch.view_as_real(rope)  # [T, 1, D / 2, 2]
     assert pairs.stride(2) == 2 and pairs.stride(3) == 1, pairs.stride()
     if num_tokens == 0:
         return
-    lib.rope_interleaved_bf16(x.data_ptr(), x.stride(0), num_tokens, num_heads, head_dim,
-                              pairs.data_ptr(), pairs.stride(0), torch.get_num_threads())
+    kernel(x.data_ptr(), x.stride(0), num_tokens, num_heads, head_dim, pairs.data_ptr(),
+           pairs.stride(0), torch.get_num_threads())
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
@@ -396,7 +407,7 @@ def slot_descriptor(
     scales = []
     for a, b_t, scaling, lo, hi in slices:
         assert a.is_contiguous() and b_t.is_contiguous() and a.dtype == b_t.dtype
-        assert a.dtype in _SUFFIX, a.dtype
+        assert a.dtype in DTYPE_SUFFIX, a.dtype
         assert a.shape[0] == b_t.shape[0] and b_t.shape[1] == hi - lo, (a.shape, b_t.shape)
         row += [a.data_ptr(), b_t.data_ptr(), a.shape[0], lo, hi]
         scales.append(scaling)
