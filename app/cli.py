@@ -24,6 +24,7 @@ from app.server_options import (
     preload_adapters,
     serve_app,
     setup_logging,
+    start_engine,
 )
 from engine.client import EngineClient
 from engine.config import EngineConfig
@@ -59,11 +60,7 @@ async def serve_engine(
     on_ready: Callable[[EngineClient, Settings], None] | None = None,
 ) -> None:
     """Load the engine in this process and serve it."""
-    from engine.async_engine import AsyncEngine  # imports torch: only when serving
-
-    engine = AsyncEngine(config)
-    logger.info("loading model %s", config.model)
-    await engine.start()
+    engine = await start_engine(config)
     try:
         await preload_adapters(engine, settings.preload_loras)
         app = create_app(engine, settings)

@@ -24,6 +24,8 @@ from app.server_options import (
     preload_adapters,
     serve_app,
     setup_logging,
+    start_engine,
+    startup_errors,
 )
 from engine.config import EngineConfig
 
@@ -135,14 +137,11 @@ async def serve_worker(
     """Load the engine and its `--lora` adapters, serve the internal API, beat until
     SIGTERM/SIGINT, drain."""
     from app.metrics import Metrics
-    from engine.async_engine import AsyncEngine  # imports torch: only when serving
     from engine.remote.heartbeat import HeartbeatPublisher, make_identity
     from engine.remote.worker_app import begin_drain, create_worker_app, get_state_of
 
     assert settings.redis_url is not None
-    engine = AsyncEngine(config)
-    logger.info("loading model %s", config.model)
-    await engine.start()
+    engine = await start_engine(config)
     try:
         refused = await preload_adapters(engine, loras or {})
     except BaseException:
@@ -244,7 +243,8 @@ async def serve_gateway(model: str, settings: Settings) -> None:
     from engine.remote.tokenizer import LocalTokenizer
 
     assert settings.redis_url is not None
-    tokenizer = await asyncio.to_thread(LocalTokenizer, model, settings.data_dir)
+    with startup_errors():
+        tokenizer = await asyncio.to_thread(LocalTokenizer, model, settings.data_dir)
     engine = RemoteEngine(
         redis=aioredis.Redis.from_url(settings.redis_url, socket_timeout=5.0),
         tokenizer=tokenizer,

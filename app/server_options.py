@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import FrameType
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import click
 import uvicorn
@@ -24,6 +24,10 @@ from app.core.principal import REGISTRY_ENGINE_PREFIX
 from app.main import begin_drain
 from engine.client import EngineClient
 from engine.config import EngineConfig
+from engine.models.config import ModelLoadError
+
+if TYPE_CHECKING:
+    from engine.async_engine import AsyncEngine
 
 logger = logging.getLogger("loraplex")
 
@@ -245,6 +249,28 @@ def engine_options(func: Callable[..., Any]) -> Callable[..., Any]:
     for flag in reversed(ENGINE_OPTIONS):
         func = engine_option(flag)(func)
     return func
+
+
+@contextlib.contextmanager
+def startup_errors() -> Iterator[None]:
+    """What the operator must fix before a server can start (a model directory of a family
+    we cannot serve, a value the engine refuses) as a usage error: one line, exit code 2,
+    no traceback."""
+    try:
+        yield
+    except (ModelLoadError, ValueError) as exc:
+        raise click.UsageError(" ".join(str(exc).split())) from exc
+
+
+async def start_engine(config: EngineConfig) -> AsyncEngine:
+    """The in-process engine of `serve`, `worker` and `demo`, its model loaded."""
+    from engine.async_engine import AsyncEngine  # imports torch: only when serving
+
+    engine = AsyncEngine(config)
+    logger.info("loading model %s", config.model)
+    with startup_errors():
+        await engine.start()
+    return engine
 
 
 def engine_config(**kwargs: Any) -> EngineConfig:

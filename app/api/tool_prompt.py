@@ -64,8 +64,6 @@ TOOL_CHOICE_LINES = {
 
 TOOL_RESPONSE = '<tool_response name="{name}">\n{content}\n</tool_response>'
 """A tool message's content as the fallback prompt shows it."""
-TOOL_RESPONSE_UNNAMED = "<tool_response>\n{content}\n</tool_response>"
-"""The same, for a result whose call is not in the history."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,7 +91,9 @@ def chat_template_messages(messages: Sequence[ChatMessage], plan: ToolPlan, *,
                            template_has_tools: bool) -> ChatPrompt:
     """`messages` and the plan's tools as the chat template takes them (see the module's
     docstring). A message the template cannot show (a non-text content part, a tool
-    call whose arguments are not a JSON object) is refused with a 400."""
+    call whose arguments are not a JSON object) is refused with a 400, as is a tool turn
+    that answers no call of the assistant turn before it."""
+    check_tool_turns(messages)
     names = _call_names(messages)
     if template_has_tools:
         out = [_hf_message(i, m, names) for i, m in enumerate(messages)]
@@ -167,6 +167,34 @@ def _role(message: ChatMessage) -> str:
     return "system" if message.role == "developer" else message.role
 
 
+def check_tool_turns(messages: Sequence[ChatMessage]) -> None:
+    """As OpenAI checks a conversation: every `tool` message answers, by its
+    `tool_call_id`, a call of the assistant turn that precedes it (other tool messages
+    may come between). Refused with a 400 naming the message."""
+    calls: set[str] | None = None  # the ids the latest assistant turn called; None: none
+    for index, message in enumerate(messages):
+        if message.role != "tool":
+            calls = ({call.id for call in message.tool_calls}
+                     if message.role == "assistant" and message.tool_calls else None)
+            continue
+        if calls is None:
+            raise invalid_request(
+                "Messages with role 'tool' must be a response to a preceding message with "
+                "'tool_calls'.", param=f"messages[{index}].role",
+            )
+        if message.tool_call_id is None:
+            raise invalid_request(
+                f"Missing required parameter: 'messages[{index}].tool_call_id'.",
+                param=f"messages[{index}].tool_call_id", code="missing_required_parameter",
+            )
+        if message.tool_call_id not in calls:
+            raise invalid_request(
+                f"'tool_call_id' of '{message.tool_call_id}' is not one of the 'tool_calls' "
+                "of the preceding assistant message.",
+                param=f"messages[{index}].tool_call_id",
+            )
+
+
 def _call_names(messages: Sequence[ChatMessage]) -> dict[str, str]:
     """Call id -> function name, from the history's assistant turns."""
     return {call.id: call.function.name for m in messages for call in m.tool_calls or ()}
@@ -198,11 +226,9 @@ def _hf_message(index: int, message: ChatMessage, names: dict[str, str]) -> dict
             for j, call in enumerate(message.tool_calls)
         ]
     if message.role == "tool":
-        if message.tool_call_id is not None:
-            out["tool_call_id"] = message.tool_call_id
-        name = message.name or names.get(message.tool_call_id or "")
-        if name:
-            out["name"] = name
+        assert message.tool_call_id is not None  # check_tool_turns
+        out["tool_call_id"] = message.tool_call_id
+        out["name"] = message.name or names[message.tool_call_id]
     elif message.name:
         out["name"] = message.name
     return out
@@ -215,7 +241,7 @@ def _plain_message(index: int, message: ChatMessage, names: dict[str, str]) -> d
                   for j, call in enumerate(message.tool_calls)]
         content = "\n".join([content, *blocks] if content else blocks)
     if message.role == "tool":
-        name = message.name or names.get(message.tool_call_id or "")
-        template = TOOL_RESPONSE if name else TOOL_RESPONSE_UNNAMED
-        content = template.format(name=name, content=content)
+        assert message.tool_call_id is not None  # check_tool_turns
+        name = message.name or names[message.tool_call_id]
+        content = TOOL_RESPONSE.format(name=name, content=content)
     return {"role": _role(message), "content": content}

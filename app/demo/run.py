@@ -21,7 +21,7 @@ from app.demo.catalog import DEMO_ADAPTERS
 from app.demo.seed import KEYS_FILE, AdminKey, DemoError, ensure_admin_key, seed_demo
 from app.demo.train import TrainingError
 from app.main import create_app
-from app.server_options import DrainingServer
+from app.server_options import DrainingServer, start_engine
 from engine.config import EngineConfig
 from engine.model_loader import resolve_model
 from engine.threads import on_passing_thread
@@ -70,10 +70,7 @@ async def _serve(
     trained: Sequence[TrainedAdapter],
     started: float,
 ) -> None:
-    from engine.async_engine import AsyncEngine  # imports torch: only when serving
-
-    engine = AsyncEngine(config)
-    await engine.start()
+    engine = await start_engine(config)
     try:
         app = create_app(engine, settings)
         server = DrainingServer(app, settings, engine_failure=engine.failure)

@@ -100,7 +100,7 @@ HISTORY = [
         "role": "assistant", "content": "Paris 18 C; checking once more.", "tool_calls": [
             {"id": "call_4", "type": "function",
              "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]}),
-    ChatMessage(role="tool", tool_call_id="call_unknown", content="no such call"),
+    ChatMessage(role="tool", tool_call_id="call_4", content="19 C"),
     ChatMessage(role="user", content="Thanks!"),
 ]
 
@@ -144,7 +144,8 @@ def test_fallback_prompt_on_the_smollm2_template(smol: Any) -> None:
     assert '<tool_response name="now">\n12:00\n</tool_response>' in text
     assert ("<|im_start|>assistant\nParis 18 C; checking once more.\n<tool_call>\n"
             '{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>') in text
-    assert "<|im_start|>tool\n<tool_response>\nno such call\n</tool_response>" in text
+    assert ('<|im_start|>tool\n<tool_response name="get_weather">\n19 C\n'
+            "</tool_response><|im_end|>") in text
     assert text.endswith("<|im_start|>user\nThanks!<|im_end|>\n<|im_start|>assistant\n")
 
 
@@ -209,8 +210,8 @@ def test_tools_aware_template_gets_hugging_face_shapes(hermes: Any) -> None:
     assert prompt.messages[3] == {"role": "tool", "content": "18 C, sunny",
                                   "tool_call_id": "call_1", "name": "get_weather"}
     assert prompt.messages[4]["content"] == "9 C\nrain"
-    assert prompt.messages[7] == {"role": "tool", "content": "no such call",
-                                  "tool_call_id": "call_unknown"}
+    assert prompt.messages[7] == {"role": "tool", "content": "19 C",
+                                  "tool_call_id": "call_4", "name": "get_weather"}
 
     text = render(hermes, prompt)
     assert text.startswith("<|im_start|>system\nBe brief.\n\n# Tools\n")
@@ -220,7 +221,7 @@ def test_tools_aware_template_gets_hugging_face_shapes(hermes: Any) -> None:
             '"arguments": {"city": "Zürich"}}\n</tool_call>\n<tool_call>\n{"name": "now", '
             '"arguments": {}}\n</tool_call><|im_end|>') in text
     assert "<|im_start|>user\n<tool_response>\n18 C, sunny\n</tool_response><|im_end|>" in text
-    assert "<tool_response>\nno such call\n</tool_response>" in text
+    assert "<|im_start|>user\n<tool_response>\n19 C\n</tool_response><|im_end|>" in text
     assert ("<|im_start|>assistant\nParis 18 C; checking once more.\n<tool_call>\n"
             '{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>') in text
     assert text.endswith("<|im_start|>user\nThanks!<|im_end|>\n<|im_start|>assistant\n")
@@ -256,3 +257,55 @@ def test_non_text_parts_are_refused() -> None:
     with pytest.raises(APIError) as info:
         chat_template_messages(messages, NO_TOOLS, template_has_tools=False)
     assert info.value.param == "messages[0].content[1]"
+
+
+def _call(call_id: str) -> dict[str, Any]:
+    return {"id": call_id, "type": "function", "function": {"name": "now", "arguments": "{}"}}
+
+
+@pytest.mark.parametrize(("messages", "param", "message"), [
+    # No assistant turn called a tool.
+    ([{"role": "user", "content": "hi"}, {"role": "tool", "tool_call_id": "c", "content": "x"}],
+     "messages[1].role", "must be a response to a preceding message with 'tool_calls'"),
+    ([{"role": "tool", "tool_call_id": "c", "content": "x"}],
+     "messages[0].role", "must be a response to a preceding message with 'tool_calls'"),
+    # The turn before it is a user's, though an earlier assistant turn called the tool.
+    ([{"role": "assistant", "tool_calls": [_call("c")]},
+      {"role": "tool", "tool_call_id": "c", "content": "x"},
+      {"role": "user", "content": "and?"},
+      {"role": "tool", "tool_call_id": "c", "content": "x"}],
+     "messages[3].role", "must be a response to a preceding message with 'tool_calls'"),
+    # An assistant turn without calls.
+    ([{"role": "assistant", "content": "sure"},
+      {"role": "tool", "tool_call_id": "c", "content": "x"}],
+     "messages[1].role", "must be a response to a preceding message with 'tool_calls'"),
+    ([{"role": "assistant", "tool_calls": [_call("c")]}, {"role": "tool", "content": "x"}],
+     "messages[1].tool_call_id", "Missing required parameter: 'messages[1].tool_call_id'"),
+    ([{"role": "assistant", "tool_calls": [_call("c"), _call("d")]},
+      {"role": "tool", "tool_call_id": "d", "content": "x"},
+      {"role": "tool", "tool_call_id": "e", "content": "x"}],
+     "messages[2].tool_call_id", "'tool_call_id' of 'e' is not one of the 'tool_calls'"),
+])
+def test_a_tool_turn_must_answer_the_calls_before_it(
+    messages: list[dict[str, Any]], param: str, message: str
+) -> None:
+    parsed = [ChatMessage.model_validate(m) for m in messages]
+    for aware in (True, False):
+        with pytest.raises(APIError) as info:
+            chat_template_messages(parsed, NO_TOOLS, template_has_tools=aware)
+        assert info.value.status_code == 400
+        assert info.value.param == param
+        assert message in info.value.message
+
+
+def test_several_tool_turns_answer_one_assistant_turn() -> None:
+    messages = [ChatMessage.model_validate(m) for m in [
+        {"role": "assistant", "tool_calls": [_call("c"), _call("d")]},
+        {"role": "tool", "tool_call_id": "d", "content": "x"},
+        {"role": "tool", "tool_call_id": "c", "content": "y"},
+        {"role": "assistant", "tool_calls": [_call("e")]},
+        {"role": "tool", "tool_call_id": "e", "content": "z"},
+    ]]
+    prompt = chat_template_messages(messages, NO_TOOLS, template_has_tools=True)
+    assert [m.get("tool_call_id") for m in prompt.messages] == [None, "d", "c", None, "e"]
+    assert all(m["name"] == "now" for m in prompt.messages if m["role"] == "tool")

@@ -178,3 +178,32 @@ def test_a_responses_function_call_round_trip(service: ClientService) -> None:
     assert first.usage is not None and second.usage is not None
     # The call and its result are part of the prompt.
     assert second.usage.input_tokens > first.usage.input_tokens
+
+
+def test_a_tool_message_without_a_call_is_a_400(service: ClientService) -> None:
+    import openai
+
+    for messages in (
+        [{"role": "user", "content": WEATHER_QUESTION},
+         {"role": "tool", "tool_call_id": "call_0", "content": "18 C"}],
+        [{"role": "user", "content": WEATHER_QUESTION},
+         {"role": "assistant", "tool_calls": [{"id": "call_1", "type": "function", "function": {
+             "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+         {"role": "tool", "tool_call_id": "call_0", "content": "18 C"}],
+    ):
+        with pytest.raises(openai.BadRequestError) as info:
+            service.openai().chat.completions.create(
+                model=service.model, messages=messages, tools=TOOLS, max_completion_tokens=8,
+            )
+        assert info.value.status_code == 400
+        assert isinstance(info.value.body, dict)
+        assert info.value.body["param"] in ("messages[1].role", "messages[2].tool_call_id")
+    # The Responses API: an output for a call the input never made.
+    with pytest.raises(openai.BadRequestError) as info:
+        service.openai().responses.create(
+            model=service.model, max_output_tokens=8, tools=[{
+                "type": "function", "name": "get_weather", "parameters": WEATHER_PARAMETERS}],
+            input=[{"role": "user", "content": WEATHER_QUESTION},
+                   {"type": "function_call_output", "call_id": "call_0", "output": "18 C"}],
+        )
+    assert info.value.status_code == 400
