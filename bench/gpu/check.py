@@ -31,6 +31,7 @@ from bench.gpu.report import (
     ERROR,
     FAILED,
     NOT_APPLICABLE_CPU,
+    NOT_APPLICABLE_NO_TRITON,
     NOT_RUN_BUDGET,
     NOT_SELECTED,
     OK,
@@ -177,6 +178,13 @@ def step_decode_cuda_graphs(ctx: Context) -> StepOutcome:
     return check_decode_steps(ctx.plan.throughput, ctx.bench_model(), on_cuda)
 
 
+# The steps that run the Triton kernels (compiled on a GPU, interpreted on the CPU).
+TRITON_STEPS = frozenset({"kernel_tests", "kernel_accuracy", "kernel_bandwidth"})
+NO_TRITON_NOTE = (
+    "triton is not installed: on the CPU its interpreter runs the kernels (`.[dev]` "
+    "installs it), so the kernel steps are not applicable here; on a GPU they fail"
+)
+
 STEPS: tuple[tuple[str, Callable[[Context], StepOutcome]], ...] = (
     ("kernel_tests", step_kernel_tests),
     ("kernel_accuracy", step_kernel_accuracy),
@@ -210,6 +218,14 @@ def run_step(ctx: Context, report: StepReport, fn: Callable[[Context], StepOutco
     print(f"=== {report.name}: {report.status} in {report.seconds} s", flush=True)
 
 
+def has_triton() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def run_check(
     plan: Plan, out_dir: Path, device: torch.device, selected: set[str] | None = None
 ) -> CheckReport:
@@ -230,6 +246,9 @@ def run_check(
                     step.status = NOT_SELECTED
                 elif time.perf_counter() - ctx.start > plan.budget_s:
                     step.status = NOT_RUN_BUDGET
+                elif step.name in TRITON_STEPS and device.type != "cuda" and not has_triton():
+                    step.status, step.note = NOT_APPLICABLE_NO_TRITON, NO_TRITON_NOTE
+                    print(f"\n=== {step.name}: {step.status}: {NO_TRITON_NOTE}", flush=True)
                 else:
                     run_step(ctx, step, fn)
                 report.total_s = round(time.perf_counter() - ctx.start, 3)
@@ -266,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     report = run_check(plan, args.out, device, selected)
     print("\n" + "\n".join(f"{s.name:24} {s.status:22} {s.seconds} s" for s in report.steps))
     print(f"report: {args.out / 'gpu-check.json'} ({report.total_s} s)", flush=True)
-    passed = (OK, NOT_APPLICABLE_CPU, NOT_SELECTED)
+    passed = (OK, NOT_APPLICABLE_CPU, NOT_APPLICABLE_NO_TRITON, NOT_SELECTED)
     return 0 if all(s.status in passed for s in report.steps) else 1
 
 

@@ -14,12 +14,15 @@ from typing import Any
 import torch
 
 # A step's status. "failed": it ran and a check did not hold; "error": it raised;
-# NOT_APPLICABLE_CPU: it ran what it could on the CPU, the figure it exists for needs a GPU.
+# NOT_APPLICABLE_CPU: it ran what it could on the CPU, the figure it exists for needs a GPU;
+# NOT_APPLICABLE_NO_TRITON: a kernel step on the CPU of a machine without triton (its
+# interpreter is what runs the kernels there), not run; the step's note says so.
 OK = "ok"
 FAILED = "failed"
 ERROR = "error"
 PENDING = "pending"
 NOT_APPLICABLE_CPU = "not-applicable (cpu)"
+NOT_APPLICABLE_NO_TRITON = "not-applicable (no triton)"
 NOT_RUN_BUDGET = "not-run (time budget)"
 NOT_SELECTED = "not-run (not selected)"  # a rerun with --steps
 
@@ -34,6 +37,7 @@ class StepReport:
     status: str = PENDING
     seconds: float | None = None
     error: str | None = None  # the exception, or the checks that did not hold
+    note: str | None = None  # why a step that was not applicable did not run
     results: dict[str, Any] = field(default_factory=dict)
 
 

@@ -116,3 +116,25 @@ def test_steps_report_their_fields(report: dict[str, Any]) -> None:
     decode = steps["decode_cuda_graphs"]
     assert decode["cuda_graphs"] == "not implemented"
     assert all(row["eager_step_ms_median"] > 0 for row in decode["decode"].values())
+
+
+def test_without_triton_the_kernel_steps_are_not_applicable(tmp_path: Path) -> None:
+    # The interpreter runs the kernels on the CPU; a machine without triton (the demo's
+    # install, say) runs the other steps, and the kernel steps say why they did not run.
+    from bench.gpu.check import TRITON_STEPS
+    from bench.gpu.report import NOT_APPLICABLE_NO_TRITON
+
+    blocked = ("import sys; sys.modules['triton'] = None\n"
+               "from bench.gpu.check import main; raise SystemExit(main())")
+    proc = subprocess.run(
+        [sys.executable, "-c", blocked, "--dry-run", "--out", str(tmp_path),
+         "--steps", ",".join(sorted(TRITON_STEPS))],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    steps = {s["name"]: s for s in json.loads((tmp_path / REPORT_NAME).read_text())["steps"]}
+    for name in TRITON_STEPS:
+        assert steps[name]["status"] == NOT_APPLICABLE_NO_TRITON, steps[name]
+        assert steps[name]["error"] is None
+        assert "triton is not installed" in steps[name]["note"]
+    assert "Traceback" not in proc.stdout + proc.stderr
