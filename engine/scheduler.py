@@ -59,6 +59,7 @@ between `schedule()` and `update_after_step()`.
 
 from __future__ import annotations
 
+import enum
 import itertools
 import time
 from collections import Counter
@@ -70,6 +71,18 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.fairness import FairQueue, Gate, TenantState
 from engine.request import Request, RequestStatus, ScheduledChunk, SchedulerOutput
+
+
+class Admission(enum.Enum):
+    """What `Scheduler._try_admit` did with the waiting request at the head of the queue."""
+
+    ADMITTED = enum.auto()  # it runs in this step
+    # Not this step (its adapter is loading or does not fit, the prefill caps leave it
+    # out, it just gave its blocks away); the requests behind it may still be admitted.
+    PASSED_OVER = enum.auto()
+    # Not this step, and nobody behind it either: no seat or no memory for it (strict
+    # queue order: letting smaller requests pass would starve a large one for ever).
+    BLOCKED = enum.auto()
 
 
 class AdapterHooks(Protocol):
@@ -242,7 +255,7 @@ class Scheduler:
             peeked = cursor.peek() if plan.admitting and not plan.memory_short else None
             if peeked is not None and (best is None or peeked[0] < best[0]):
                 cursor.advance()
-                plan.admitting = self._try_admit(plan, peeked[1])
+                plan.admitting = self._try_admit(plan, peeked[1]) is not Admission.BLOCKED
                 continue
             if best is None:
                 return
@@ -277,12 +290,12 @@ class Scheduler:
             if victim is request:
                 return None
 
-    def _try_admit(self, plan: _StepPlan, request: Request) -> bool:
-        """Admit one waiting request if it may run; False: admit nobody else this step."""
+    def _try_admit(self, plan: _StepPlan, request: Request) -> Admission:
+        """Admit one waiting request if it may run (see Admission)."""
         if request.status == RequestStatus.PREEMPTED and any(
             victim is request for victim in plan.preempted
         ):
-            return True  # it just gave its blocks to a more urgent request
+            return Admission.PASSED_OVER  # it just gave its blocks to a more urgent request
         adapter_key = request.adapter_key
         if (
             adapter_key is not None
@@ -290,16 +303,16 @@ class Scheduler:
             and not self.adapters.is_ready(adapter_key)
         ):
             plan.loading.add(request.request_id)
-            return True
+            return Admission.PASSED_OVER
         was_head, plan.is_head = plan.is_head, False
         if adapter_key is not None and (
             plan.hold_adapters or not self._adapter_fits(adapter_key, plan.running_adapters)
         ):
             plan.hold_adapters = plan.hold_adapters or was_head
-            return True
+            return Admission.PASSED_OVER
         num_hit = self.block_manager.get_computed_tokens(request)
         if self._chunk_size(plan, request.num_tokens - num_hit) is None:
-            return True  # the partial-prefill caps leave it for a later step
+            return Admission.PASSED_OVER  # the partial-prefill caps leave it for a later step
         if len(self.running) >= self.config.max_num_seqs:
             # Every seat taken: only a strictly lower effective priority gives its seat
             # away (aged on both sides, so an aged request neither takes a seat from its
@@ -308,7 +321,7 @@ class Scheduler:
             if self.fair.effective_priority(
                 seat_holder, plan.now
             ) <= self.fair.effective_priority(request, plan.now):
-                return False
+                return Admission.BLOCKED
             self._preempt_in_step(plan, seat_holder)
         while True:
             # Recomputed after each preemption: the victim may have taken cache hits
@@ -316,14 +329,12 @@ class Scheduler:
             num_hit = self.block_manager.get_computed_tokens(request)
             num_new = self._chunk_size(plan, request.num_tokens - num_hit)
             if num_new is None:
-                return True  # the partial-prefill caps leave it for a later step
+                return Admission.PASSED_OVER  # the partial-prefill caps leave it for a later step
             if self.block_manager.allocate_slots(request, num_new, num_cached_tokens=num_hit):
                 break
             victim = max(self.running, key=self._eviction_rank, default=None)
             if victim is None or victim.priority <= request.priority:
-                # NOTE: strict queue order on memory: letting smaller requests pass would
-                # starve a large one for ever.
-                return False
+                return Admission.BLOCKED  # strict queue order on memory
             self._preempt_in_step(plan, victim)
         self.fair.admit(request)
         if adapter_key is not None and self.adapters is not None:
@@ -338,7 +349,7 @@ class Scheduler:
         if adapter_key is not None:
             plan.running_adapters[adapter_key] += 1
         self._add_chunk(plan, request, num_hit, num_new)
-        return True
+        return Admission.ADMITTED
 
     def _chunk_size(self, plan: _StepPlan, num_left: int) -> int | None:
         """Tokens a prefill with `num_left` to compute gets in this step's first pass;
