@@ -240,13 +240,15 @@ def run_check(
         work = Path(tmp) if plan.dry_run else models.scratch_dir(20 * 2**30, Path(tmp))
         work.mkdir(parents=True, exist_ok=True)
         ctx = Context(plan, device, work)
+        # On the CPU triton's interpreter runs the kernels; without triton they cannot run.
+        no_kernels = device.type != "cuda" and not has_triton()
         try:
             for step, (_, fn) in zip(steps, STEPS, strict=True):
                 if selected is not None and step.name not in selected:
                     step.status = NOT_SELECTED
                 elif time.perf_counter() - ctx.start > plan.budget_s:
                     step.status = NOT_RUN_BUDGET
-                elif step.name in TRITON_STEPS and device.type != "cuda" and not has_triton():
+                elif step.name in TRITON_STEPS and no_kernels:
                     step.status, step.note = NOT_APPLICABLE_NO_TRITON, NO_TRITON_NOTE
                     print(f"\n=== {step.name}: {step.status}: {NO_TRITON_NOTE}", flush=True)
                 else:
