@@ -12,7 +12,7 @@ from app.api.errors import (
     overloaded,
     server_error,
 )
-from engine.errors import NoWorkerAvailable, RequestRejected, WorkerLost
+from engine.errors import EngineStepError, NoWorkerAvailable, RequestRejected, WorkerLost
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +69,10 @@ def api_error_of(
         return worker_lost()
     if isinstance(exc, ValueError):
         return invalid_request(str(exc))
-    if draining:
+    # NOTE: a step that failed on this request is a 500 even when the engine has failed
+    # for good since (that failure is what starts the drain): retrying it elsewhere is the
+    # client's call, not a shutdown's.
+    if draining and not isinstance(exc, EngineStepError):
         return aborted_by_server()
     logger.error("engine request %s failed", request_id, exc_info=exc)
     return server_error()
