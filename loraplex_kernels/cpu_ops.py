@@ -86,6 +86,8 @@ void rms_norm_@(const scalar_t *x, int64_t x_stride, const scalar_t *weight, sca
         const scalar_t *restrict xr = x + t * x_stride;
         scalar_t *restrict o = out + t * hidden;
         double ss = 0.0;
+        /* in double lanes: a serial chain of double adds was 20-30 us at 32 rows of 576 */
+#pragma omp simd reduction(+ : ss)
         for (int64_t i = 0; i < hidden; i++) {
             const double v = (double)ld_@(xr[i]);
             ss += v * v;
@@ -101,7 +103,7 @@ void rms_norm_@(const scalar_t *x, int64_t x_stride, const scalar_t *weight, sca
    (the clamp leaves the numerator). */
 void silu_mul_@(const scalar_t *gate_up, int64_t stride, scalar_t *out, int64_t num_rows,
                 int64_t inter, int64_t num_threads) {
-#pragma omp parallel for num_threads(num_threads) if (num_rows * inter >= 262144)
+#pragma omp parallel for num_threads(num_threads) if (num_rows * inter >= 32768)
     for (int64_t t = 0; t < num_rows; t++) {
         const scalar_t *restrict g = gate_up + t * stride;
         const scalar_t *restrict u = g + inter;

@@ -166,17 +166,23 @@ def test_paged_attention_uses_the_kernel_and_agrees_with_the_gather_path(
     torch.testing.assert_close(cache.key, gathered_cache.key, rtol=0, atol=0)
 
 
+# Head dims 64 and 128 with blocks of 16 rows or more take the AVX-512 BF16 loops where
+# the CPU has them (16 rows' scores at once, query heads of a KV head in groups of 3 for
+# 64 and 2 for 128, the rest one by one; a block's rows past its last 16 one by one).
 @pytest.mark.parametrize(
-    ("lens", "num_heads", "num_kv_heads", "head_dim"),
-    [([1], 4, 4, 8), ([200, 431, 16, 15, 17, 500, 3], 9, 3, 64), ([40, 2, 65], 4, 2, 128),
-     ([3, 50, 17, 16, 1, 99, 64, 33, 8, 120], 6, 2, 20)],
+    ("lens", "num_heads", "num_kv_heads", "head_dim", "block_size"),
+    [([1], 4, 4, 8, 16), ([200, 431, 16, 15, 17, 500, 3], 9, 3, 64, 16),
+     ([40, 2, 65], 4, 2, 128, 16), ([3, 50, 17, 16, 1, 99, 64, 33, 8, 120], 6, 2, 20, 16),
+     ([40, 2, 65, 97, 31], 8, 2, 64, 32), ([40, 2, 65, 97, 31], 4, 4, 64, 16),
+     ([33, 130, 7], 6, 2, 128, 32), ([17, 48], 8, 1, 128, 16), ([19, 40], 4, 2, 64, 8)],
 )
 def test_bf16_kernel_matches_float32_attention_over_the_same_values(
-    lens: list[int], num_heads: int, num_kv_heads: int, head_dim: int
+    lens: list[int], num_heads: int, num_kv_heads: int, head_dim: int, block_size: int
 ) -> None:
     """bf16 query and cache read as they are, scores and softmax in float32: the output is
     float32 attention over the same (bf16) values, rounded once."""
-    key_cache, value_cache, tables, _, _ = _layout(lens, 16, num_kv_heads, head_dim, seed=5)
+    key_cache, value_cache, tables, _, _ = _layout(lens, block_size, num_kv_heads, head_dim,
+                                                   seed=5)
     key_cache, value_cache = key_cache.bfloat16(), value_cache.bfloat16()
     qk = torch.randn(len(lens), num_heads + num_kv_heads, head_dim).bfloat16()
     query = qk[:, :num_heads]
