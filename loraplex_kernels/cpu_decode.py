@@ -23,8 +23,9 @@ from loraplex_kernels.cpu_ops import DTYPE_SUFFIX, kernel_for
 # bf16 on CPUs with AVX-512 BF16, head dims 64 and 128: the scores of 16 cache rows at
 # once (their 16 horizontal sums in one transpose by adds, instead of a reduction per
 # dot product) and the weighted sum of V with every query head of a KV head accumulating
-# in registers, each V row widened once. Decode attention is compute-bound on these
-# loops, not memory-bound (a 2-thread run is twice a 1-thread one).
+# in registers, each V row widened once. With K/V in the last-level cache that is 2.3x
+# the loop below; in a decode step, where each layer's K/V comes from memory in scattered
+# blocks, the wait on memory dominates and the gain is small (docs/BENCHMARKS.md).
 _DPBF16 = r"""
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
@@ -119,7 +120,7 @@ WEIGHTED_SUM(2, 128)
             const int64_t n = len - t0 < bs ? len - t0 : bs;                              \
             const bf16_t *k = key_cache + table[t0 / bs] * bs * row + h0 * HD;            \
             /* K two blocks ahead; this block's V now, for the weighted sum after the  \
-               softmax (a sequence's K and V fit in L2; the loops are memory-bound) */    \
+               softmax (a sequence's K and V fit in L2) */                                \
             for (int64_t i = 0; i < bs; i++) {                                            \
                 if (t0 + 2 * bs < len)                                                    \
                     prefetch_row(key_cache + table[t0 / bs + 2] * bs * row + h0 * HD +    \
