@@ -42,7 +42,7 @@ from bench.adapters import write_random_adapter
 from bench.fairness import _model_dir_args
 from bench.server import free_port, wait_ready
 from bench.soak_probes import Check, Snapshot, leak_checks, rss_bytes, snapshot
-from bench.soak_traffic import TENANT_MAX_TOKENS, Outcome, Traffic
+from bench.soak_traffic import TENANT_MAX_TOKENS, Outcome, Traffic, TrafficShape
 from bench.throughput import machine_description
 from bench.workload import median, percentile
 from engine.config import default_data_dir
@@ -252,7 +252,8 @@ async def _drive(server: SoakServer, key: str, opts: SoakOptions, adapter_dirs: 
     async with httpx.AsyncClient(base_url=server.base_url, timeout=600, limits=limits,
                                  headers={"Authorization": f"Bearer {key}"}) as client:
         model = (await client.get("/v1/models")).json()["data"][0]["id"]
-        traffic = Traffic(client, model, opts, server.proc.pid)
+        shape = TrafficShape(opts.seed, opts.max_tokens, opts.cut_max_tokens)
+        traffic = Traffic(client, model, shape, server.proc.pid)
         await traffic.upload(next(adapter_dirs), "capacity")
         capacity = await closed_loop(traffic, opts.capacity_concurrency, opts.capacity_s)
         rate = capacity * opts.load_fraction

@@ -10,12 +10,8 @@ import tarfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import httpx
-
-if TYPE_CHECKING:
-    from bench.soak import SoakOptions
 
 # kind -> weight in the mix; "lora" is a plain completion on the tenant's adapter.
 MIX: dict[str, float] = {"plain": 0.35, "stream": 0.30, "cut": 0.15, "lora": 0.10, "bad": 0.10}
@@ -36,11 +32,20 @@ class Outcome:
     detail: str = ""
 
 
+@dataclass(frozen=True, slots=True)
+class TrafficShape:
+    """What the soak's options say of each request."""
+
+    seed: int
+    max_tokens: int
+    cut_max_tokens: int  # of a stream the client cuts off
+
+
 class Traffic:
     """The tenant's requests, each kept as an Outcome."""
 
     def __init__(
-        self, client: httpx.AsyncClient, model: str, opts: SoakOptions, pid: int
+        self, client: httpx.AsyncClient, model: str, opts: TrafficShape, pid: int
     ) -> None:
         self.client = client
         self.pid = pid

@@ -7,7 +7,7 @@ gives each request a `GrammarMatcher` from the `CompiledGrammar`, and each step 
 constrained rows of the logits with a `TokenMasker` before sampling.
 """
 
-from engine.structured.compiler import CompiledGrammar, GrammarCacheStats, GrammarCompiler
+from engine.structured.compiler import GrammarCacheStats, GrammarCompiler
 from engine.structured.errors import (
     GRAMMAR_TIMEOUT,
     GRAMMAR_TOO_COMPLEX,
@@ -19,7 +19,12 @@ from engine.structured.errors import (
 )
 from engine.structured.grammar import to_grammar
 from engine.structured.limits import StructuredLimits
-from engine.structured.matcher import GrammarMatcher, TokenMasker, num_bitmask_words
+from engine.structured.matcher import (
+    CompiledGrammar,
+    GrammarMatcher,
+    TokenMasker,
+    num_bitmask_words,
+)
 from engine.structured.spec import OutputKind, StructuredOutput, Whitespace
 
 __all__ = [

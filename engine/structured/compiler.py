@@ -24,7 +24,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, InvalidStateError
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import llguidance
@@ -35,29 +35,13 @@ import numpy as np
 from engine.structured.errors import GrammarTimeoutError, StructuredOutputError
 from engine.structured.grammar import to_grammar
 from engine.structured.limits import StructuredLimits, library_refusal
-from engine.structured.matcher import GrammarMatcher, num_bitmask_words
+from engine.structured.matcher import CompiledGrammar, num_bitmask_words
 from engine.structured.spec import StructuredOutput
 
 log = logging.getLogger(__name__)
 
 WORKER_STACK_BYTES = 256 * 1024 * 1024  # virtual: pages are committed only when touched
 _thread_start_lock = threading.Lock()
-
-
-@dataclass(frozen=True, slots=True, eq=False)
-class CompiledGrammar:
-    """One spec's grammar, built once and shared read-only; every request that uses it
-    gets its own matcher from `new_matcher`."""
-
-    spec: StructuredOutput
-    vocab_size: int
-    compile_s: float  # building it: the worker's wall time, queueing excluded
-    _template: llguidance.LLMatcher = field(repr=False)  # never advanced: only copied
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-
-    def new_matcher(self) -> GrammarMatcher:
-        with self._lock:
-            return GrammarMatcher(self._template.deep_copy(), self)
 
 
 @dataclass(frozen=True, slots=True)

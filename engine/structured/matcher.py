@@ -10,8 +10,9 @@ requests are left as they are, bit for bit.
 from __future__ import annotations
 
 import sys
+import threading
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
 
 import llguidance
 import llguidance.numpy
@@ -19,15 +20,29 @@ import torch
 from torch import Tensor
 
 from engine.structured.limits import clean_message
-
-if TYPE_CHECKING:
-    from engine.structured.compiler import CompiledGrammar
+from engine.structured.spec import StructuredOutput
 
 assert sys.byteorder == "little", "the bitmask is read byte by byte as little-endian words"
 
 
 def num_bitmask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class CompiledGrammar:
+    """One spec's grammar, built once and shared read-only; every request that uses it
+    gets its own matcher from `new_matcher`."""
+
+    spec: StructuredOutput
+    vocab_size: int
+    compile_s: float  # building it: the worker's wall time, queueing excluded
+    _template: llguidance.LLMatcher = field(repr=False)  # never advanced: only copied
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def new_matcher(self) -> GrammarMatcher:
+        with self._lock:
+            return GrammarMatcher(self._template.deep_copy(), self)
 
 
 class GrammarMatcher:
