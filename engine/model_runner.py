@@ -105,6 +105,13 @@ class StepInputs:
     lora: LoRASegments | None = None  # rows by adapter slot; None: no row has an adapter
 
 
+@dataclass(frozen=True, slots=True)
+class KVCacheSizing:
+    num_blocks: int
+    max_model_len: int  # capped to the cache's capacity when that is smaller
+    budget: KVCacheBudget | None  # CUDA: the profiled budget the blocks came from
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_dir: Path) -> None:
         self.config = config
@@ -117,64 +124,14 @@ class ModelRunner:
         self.block_size = config.block_size
         self.tokenizer: Any = load_tokenizer(self.model_dir)
 
-        model_len = self.model_config.max_model_len
-        max_pos = self.model_config.max_position_embeddings
-        if config.max_model_len is not None and config.max_model_len > max_pos:
-            raise ValueError(
-                f"max_model_len {config.max_model_len} exceeds the model's "
-                f"max_position_embeddings {max_pos} ({self.model_dir.name}); "
-                f"use --max-model-len {max_pos} or less"
-            )
-        if config.max_model_len is not None and config.max_model_len > model_len:
-            logger.warning(
-                "max_model_len %d exceeds the model's %d; using %d",
-                config.max_model_len,
-                model_len,
-                model_len,
-            )
-        max_model_len = min(config.max_model_len or model_len, model_len)
-
-        model_cls = model_class_for(self.model_config)
-        self.model: CausalLM = model_cls(
-            self.model_config, max_positions=max_model_len, device=self.device, dtype=self.dtype
-        )
-        self.model.load_weights(iter_safetensors(self.model_dir))
-        self.model.eval()
-        if config.pack_cpu_weights and packing_available(self.device, self.dtype):
-            tied = self.model.embed_tokens.weight if self.model.lm_head is None else None
-            num_packed = pack_linears(self.model, lm_head_weight=tied)
-            logger.info("packed %d linear layers for oneDNN", num_packed)
-        if self.device.type == "cpu":
-            # The unpacked weights just freed would otherwise stay in the heap for good.
-            release_free_memory()
-            keep_freed_activation_memory()
-        self.lora: LoRASlots | None = None
-        if config.max_loras > 0:
-            self.lora = self.model.enable_lora(config.max_loras, config.max_lora_rank)
-
+        self.model, self.lora, model_len = self._load_model()
         mc = self.model_config
-        self.kv_budget: KVCacheBudget | None = None  # CUDA: how the cache was sized
         self.kv_bytes_per_token = (
             2 * mc.num_layers * mc.kv_size * torch.empty((), dtype=self.dtype).element_size()
         )
-        num_tokens = config.kv_cache_tokens or self._default_kv_cache_tokens(max_model_len)
-        if self.kv_budget is not None and num_tokens < self.block_size:
-            raise ValueError(
-                f"no memory is left for the KV cache: {self.kv_budget.describe()}; raise "
-                "--gpu-memory-utilization, or lower --max-num-batched-tokens, --max-num-seqs, "
-                "--max-loras or --max-lora-rank"
-            )
-        self.num_blocks = max(1, -(-num_tokens // self.block_size))
-        capacity = self.num_blocks * self.block_size
-        if capacity < max_model_len:
-            # A longer sequence could never be given blocks; refuse it up front instead.
-            logger.warning(
-                "KV cache holds %d tokens, fewer than max_model_len %d; capping max_model_len",
-                capacity,
-                max_model_len,
-            )
-            max_model_len = capacity
-        self.max_model_len = max_model_len
+        sizing = self._size_kv_cache(model_len)
+        self.kv_budget: KVCacheBudget | None = sizing.budget  # CUDA: how the cache was sized
+        self.num_blocks, self.max_model_len = sizing.num_blocks, sizing.max_model_len
         self.kv_caches: list[LayerKVCache] = allocate_kv_cache(
             mc.num_layers,
             self.num_blocks,
@@ -190,13 +147,97 @@ class ModelRunner:
             self.model_dir.name,
             self.device,
             dtype_name(self.dtype),
-            config.dtype,
+            self.config.dtype,
             self.compute,
             self.num_blocks,
             self.block_size,
             self.max_model_len,
         )
         self._log_fast_paths()
+
+    def _model_len(self) -> int:
+        """The longest sequence the model and --max-model-len allow (before the KV cache's
+        capacity is known)."""
+        config = self.config
+        model_len = self.model_config.max_model_len
+        max_pos = self.model_config.max_position_embeddings
+        if config.max_model_len is not None and config.max_model_len > max_pos:
+            raise ValueError(
+                f"max_model_len {config.max_model_len} exceeds the model's "
+                f"max_position_embeddings {max_pos} ({self.model_dir.name}); "
+                f"use --max-model-len {max_pos} or less"
+            )
+        if config.max_model_len is not None and config.max_model_len > model_len:
+            logger.warning(
+                "max_model_len %d exceeds the model's %d; using %d",
+                config.max_model_len,
+                model_len,
+                model_len,
+            )
+        return min(config.max_model_len or model_len, model_len)
+
+    def _load_model(self) -> tuple[CausalLM, LoRASlots | None, int]:
+        """The model with its weights (packed for oneDNN where that is on) and its LoRA
+        slots, and the max_model_len its rotary tables were built for."""
+        config = self.config
+        max_model_len = self._model_len()
+        model_cls = model_class_for(self.model_config)
+        model: CausalLM = model_cls(
+            self.model_config, max_positions=max_model_len, device=self.device, dtype=self.dtype
+        )
+        model.load_weights(iter_safetensors(self.model_dir))
+        model.eval()
+        if config.pack_cpu_weights and packing_available(self.device, self.dtype):
+            tied = model.embed_tokens.weight if model.lm_head is None else None
+            num_packed = pack_linears(model, lm_head_weight=tied)
+            logger.info("packed %d linear layers for oneDNN", num_packed)
+        if self.device.type == "cpu":
+            # The unpacked weights just freed would otherwise stay in the heap for good.
+            release_free_memory()
+            keep_freed_activation_memory()
+        lora: LoRASlots | None = None
+        if config.max_loras > 0:
+            lora = model.enable_lora(config.max_loras, config.max_lora_rank)
+        return model, lora, max_model_len
+
+    def _size_kv_cache(self, max_model_len: int) -> KVCacheSizing:
+        """How many blocks the KV cache gets (--kv-cache-tokens; on CUDA what the profiled
+        budget leaves; on the CPU enough for max_num_seqs full sequences, capped), and the
+        max_model_len that capacity allows."""
+        config = self.config
+        budget = self._kv_budget(max_model_len)
+        if config.kv_cache_tokens:
+            num_tokens = config.kv_cache_tokens
+        elif budget is not None:
+            num_tokens = budget.kv_cache_tokens
+            if num_tokens < self.block_size:
+                raise ValueError(
+                    f"no memory is left for the KV cache: {budget.describe()}; raise "
+                    "--gpu-memory-utilization, or lower --max-num-batched-tokens, "
+                    "--max-num-seqs, --max-loras or --max-lora-rank"
+                )
+        else:
+            num_tokens = min(config.max_num_seqs * max_model_len, CPU_DEFAULT_KV_CACHE_TOKENS)
+        num_blocks = max(1, -(-num_tokens // self.block_size))
+        capacity = num_blocks * self.block_size
+        if capacity < max_model_len:
+            # A longer sequence could never be given blocks; refuse it up front instead.
+            logger.warning(
+                "KV cache holds %d tokens, fewer than max_model_len %d; capping max_model_len",
+                capacity,
+                max_model_len,
+            )
+            max_model_len = capacity
+        return KVCacheSizing(num_blocks=num_blocks, max_model_len=max_model_len, budget=budget)
+
+    def _kv_budget(self, max_model_len: int) -> KVCacheBudget | None:
+        """CUDA without --kv-cache-tokens: the budget the profiled step leaves the cache;
+        None elsewhere."""
+        if self.config.kv_cache_tokens or self.device.type != "cuda":
+            return None
+        budget = self._profile_kv_budget(max_model_len)
+        logger.info("KV cache budget: %s", budget.describe())
+        return budget
 
     def fast_paths(self) -> dict[str, bool]:
         """CPU: whether each part of a step runs its fast path in this dtype (packed
@@ -217,17 +258,6 @@ class ModelRunner:
             # NOTE: a warning, not a refusal: the torch paths are correct, only slower
             # (no C compiler, LORAPLEX_CPU_KERNELS=0, or oneDNN without this dtype).
             logger.warning("%s steps run without: %s", dtype_name(self.dtype), ", ".join(slow))
-
-    def _default_kv_cache_tokens(self, max_model_len: int) -> int:
-        wanted = self.config.max_num_seqs * max_model_len
-        if self.device.type != "cuda":
-            return min(wanted, CPU_DEFAULT_KV_CACHE_TOKENS)
-        return self._cuda_kv_cache_tokens(max_model_len)
-
-    def _cuda_kv_cache_tokens(self, max_model_len: int) -> int:
-        self.kv_budget = self._profile_kv_budget(max_model_len)
-        logger.info("KV cache budget: %s", self.kv_budget.describe())
-        return self.kv_budget.kv_cache_tokens
 
     def _profile_kv_budget(self, max_model_len: int) -> KVCacheBudget:
         """Run the largest step once and give the KV cache what is left of

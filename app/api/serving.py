@@ -7,6 +7,7 @@ import json
 import math
 import time
 import uuid
+from collections.abc import Sequence
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -25,7 +26,7 @@ from app.api.protocol import (
 from app.api.state import AppState
 from app.api.structured import check_structured_output, structured_output_of
 from app.api.tool_prompt import chat_template_messages
-from app.api.tools import tool_constraint, tool_plan
+from app.api.tools import NO_TOOLS, ToolPlan, tool_constraint, tool_plan
 from app.core.principal import REGISTRY_ENGINE_PREFIX, Principal
 from engine.client import EngineClient
 from engine.errors import RequestRejected
@@ -322,20 +323,10 @@ def plan_completion(
             structured=structured,
         )
     echo_texts = [_echo_text(state.engine, one) for one in batch] if body.echo else None
-    return GenerationPlan(
-        response_id=new_response_id("cmpl"),
-        model=body.model,
-        principal=principal,
-        target=target,
-        prompts=tuple(tuple(p) for p in prompts),
-        sampling=tuple(sampling),
-        priority=_priority(principal, body.priority),
-        stream=bool(body.stream),
-        include_usage=body.include_usage,
-        created=int(time.time()),
-        arrival=arrival,
-        kv_share=state.settings.tenant_kv_share,
-        echo_texts=None if echo_texts is None else tuple(echo_texts),
+    return _plan(
+        state, body, principal, target,
+        response_id=new_response_id("cmpl"), prompts=prompts, sampling=sampling,
+        arrival=arrival, echo_texts=None if echo_texts is None else tuple(echo_texts),
     )
 
 
@@ -402,12 +393,27 @@ def plan_chat(
     sampling = _sampling_per_choice(
         body, max_tokens=max_tokens, stop=stop, logprobs=logprobs, structured=structured
     )
+    return _plan(
+        state, body, principal, target,
+        response_id=response_id or new_response_id("chatcmpl"), prompts=[prompt_token_ids],
+        sampling=sampling, arrival=arrival, tools=tools,
+    )
+
+
+def _plan(
+    state: AppState, body: CompletionRequest | ChatCompletionRequest, principal: Principal,
+    target: ModelTarget, *, response_id: str, prompts: Sequence[Sequence[int]],
+    sampling: Sequence[SamplingParams], arrival: float,
+    echo_texts: tuple[str, ...] | None = None, tools: ToolPlan = NO_TOOLS,
+) -> GenerationPlan:
+    """The one place a GenerationPlan is made: what every endpoint's plan shares comes
+    from the request body, the caller and the settings here."""
     return GenerationPlan(
-        response_id=response_id or new_response_id("chatcmpl"),
+        response_id=response_id,
         model=body.model,
         principal=principal,
         target=target,
-        prompts=(tuple(prompt_token_ids),),
+        prompts=tuple(tuple(p) for p in prompts),
         sampling=tuple(sampling),
         priority=_priority(principal, body.priority),
         stream=bool(body.stream),
@@ -415,5 +421,6 @@ def plan_chat(
         created=int(time.time()),
         arrival=arrival,
         kv_share=state.settings.tenant_kv_share,
+        echo_texts=echo_texts,
         tools=tools,
     )

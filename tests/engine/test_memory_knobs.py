@@ -158,8 +158,7 @@ def _cuda_sized_runner(
     """A runner whose KV cache is sized by the CUDA path: the model and its profiling step
     run for real on the CPU, the allocator's statistics come from `fake`."""
     fake.install(monkeypatch)
-    monkeypatch.setattr(ModelRunner, "_default_kv_cache_tokens",
-                        ModelRunner._cuda_kv_cache_tokens)
+    monkeypatch.setattr(ModelRunner, "_kv_budget", ModelRunner._profile_kv_budget)
     return ModelRunner(EngineConfig(device="cpu", num_threads=1, **settings), model_dir)  # type: ignore[arg-type]
 
 
