@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from loraplex_kernels.cpu_build import KernelSettings, env_cache_dir, env_switch
+
 
 def default_data_dir() -> Path:
     return Path(os.environ.get("LORAPLEX_DATA_DIR", "./var"))
@@ -50,6 +52,16 @@ class EngineConfig:
     num_threads: int | None = None  # torch intra-op threads on CPU; None: all cores
     # CPU: run linear layers on oneDNN-packed weights (see engine/models/cpu_linear.py).
     pack_cpu_weights: bool = True
+    # CPU: the C kernels (loraplex_kernels/cpu_build.py). cpu_kernels False runs every op
+    # on its torch path (for comparisons), cpu_decode_kernel False decode attention alone;
+    # builds are cached in kernel_cache_dir (None: ~/.cache/loraplex/kernels). Defaults:
+    # LORAPLEX_CPU_KERNELS and LORAPLEX_CPU_DECODE_KERNEL ("0": off), LORAPLEX_KERNEL_CACHE.
+    # NOTE: the kernels are the process's: the last engine started in it sets them.
+    cpu_kernels: bool = field(default_factory=lambda: env_switch("LORAPLEX_CPU_KERNELS"))
+    cpu_decode_kernel: bool = field(
+        default_factory=lambda: env_switch("LORAPLEX_CPU_DECODE_KERNEL")
+    )
+    kernel_cache_dir: Path | None = field(default_factory=env_cache_dir)
     data_dir: Path | None = None  # None: LORAPLEX_DATA_DIR or ./var
     # Order of waiting requests within a priority (see engine/fairness.py): "vtc" serves
     # the tenant with the least weighted service first; "fcfs" serves by arrival.
@@ -120,6 +132,13 @@ class EngineConfig:
         if self.long_prefill_token_threshold is None:
             return max(1, self.max_num_batched_tokens // 4)
         return self.long_prefill_token_threshold or None
+
+    @property
+    def kernel_settings(self) -> KernelSettings:
+        return KernelSettings(
+            enabled=self.cpu_kernels, decode_attention=self.cpu_decode_kernel,
+            cache_dir=self.kernel_cache_dir,
+        )
 
     @property
     def resolved_data_dir(self) -> Path:

@@ -29,7 +29,7 @@ from engine.models.registry import model_class_for
 from engine.placement.memory import KVCacheBudget, kv_cache_budget
 from engine.request import ScheduledChunk, SchedulerOutput
 from engine.step_profile import run_largest_step
-from loraplex_kernels import cpu_decode, cpu_ops
+from loraplex_kernels import cpu_build, cpu_decode, cpu_ops
 from loraplex_kernels.reference import LoRASegments
 
 logger = logging.getLogger(__name__)
@@ -119,6 +119,7 @@ class ModelRunner:
         self.model_config: ModelConfig = validate_model_dir(self.model_dir)
         self.device, self.dtype = resolve_device_dtype(config.device, config.dtype)
         self.compute = describe_compute(self.device)  # what the dtype was chosen for
+        cpu_build.configure(config.kernel_settings)
         if self.device.type == "cpu":
             torch.set_num_threads(config.num_threads or len(os.sched_getaffinity(0)))
         self.block_size = config.block_size
@@ -256,7 +257,7 @@ class ModelRunner:
         slow = [name for name, fast in self.fast_paths().items() if not fast]
         if slow:
             # NOTE: a warning, not a refusal: the torch paths are correct, only slower
-            # (no C compiler, LORAPLEX_CPU_KERNELS=0, or oneDNN without this dtype).
+            # (no C compiler, cpu_kernels off, or oneDNN without this dtype).
             logger.warning("%s steps run without: %s", dtype_name(self.dtype), ", ".join(slow))
 
     def _profile_kv_budget(self, max_model_len: int) -> KVCacheBudget:

@@ -18,7 +18,8 @@ kernels do each in one call, reading their inputs once:
   instead of two `index_copy_` calls (10 against 16 us for 32 rows; in a real step both
   pay the cache misses and first-touch page faults of the slots they write).
 
-Built by loraplex_kernels/cpu_build.py; callers check `available()` and keep the torch path
+The C is in cpu_ops.c (the kernels built for both storage types in cpu_ops_typed.h),
+built by loraplex_kernels/cpu_build.py; callers check `available()` and keep the torch path
 otherwise. Each kernel but the argmax (logits are float32) is built for float32 and for
 bfloat16 storage; bfloat16 is computed in float32 and rounded where the Hugging Face
 model's bf16 ops round (RMSNorm's normalized row, the SiLU before its product), and the
@@ -32,207 +33,12 @@ from typing import Any
 
 import torch
 
-from loraplex_kernels.cpu_build import (
-    C_BF16,
-    C_DOT,
-    C_EXP,
-    C_TYPES,
-    LazyLibrary,
-    instantiate,
-)
+from loraplex_kernels.cpu_build import C_TYPES, SOURCE_DIR, LazyLibrary
 
 # Slices per LoRA group at most (Llama's qkv has three); the descriptor's width follows:
 # the number of slices, then (A pointer, B^T pointer, rank, lo, hi) per slice.
 MAX_SLICES = 4
 DESC_WIDTH = 1 + 5 * MAX_SLICES
-
-_COMMON = C_DOT + C_BF16 + C_EXP + r"""
-#include <math.h>
-#include <stdint.h>
-#include <stdlib.h>
-
-#define DESC_WIDTH (1 + 5 * MAX_SLICES)
-
-/* logits [S, V] rows stride apart -> ids [S]: each row's first largest value, NaN ranked
-   below every number; a row with no number above -inf gets 0. */
-void argmax_rows_f32(const float *logits, int64_t stride, int64_t num_rows, int64_t vocab,
-                     int64_t *ids, int64_t num_threads) {
-#pragma omp parallel for num_threads(num_threads) if (num_rows * vocab >= 262144)
-    for (int64_t s = 0; s < num_rows; s++) {
-        const float *restrict x = logits + s * stride;
-        float m = -INFINITY;
-#pragma omp simd reduction(max : m)
-        for (int64_t i = 0; i < vocab; i++) {
-            const float v = x[i] == x[i] ? x[i] : -INFINITY; /* NaN out first */
-            m = v > m ? v : m;
-        }
-        int64_t best = 0;
-        if (m > -INFINITY)
-            while (x[best] != m) best++;
-        ids[s] = best;
-    }
-}
-"""
-
-# Built once per storage dtype (cpu_build.instantiate): float32, and bfloat16 computed in
-# float32 and rounded where the torch ops of the Hugging Face model round.
-_TEMPLATE = r"""
-/* x [T, H] rows x_stride apart, weight [H], out [T, H] contiguous. The normalized row is
-   rounded to the storage type before the weight multiplies it, as HF's RMSNorm does. */
-void rms_norm_@(const scalar_t *x, int64_t x_stride, const scalar_t *weight, scalar_t *out,
-                int64_t num_rows, int64_t hidden, float eps, int64_t num_threads) {
-#pragma omp parallel for num_threads(num_threads) if (num_rows * hidden >= 65536)
-    for (int64_t t = 0; t < num_rows; t++) {
-        const scalar_t *restrict xr = x + t * x_stride;
-        scalar_t *restrict o = out + t * hidden;
-        double ss = 0.0;
-        /* in double lanes: a serial chain of double adds was 20-30 us at 32 rows of 576 */
-#pragma omp simd reduction(+ : ss)
-        for (int64_t i = 0; i < hidden; i++) {
-            const double v = (double)ld_@(xr[i]);
-            ss += v * v;
-        }
-        const float inv = (float)(1.0 / sqrt(ss / (double)hidden + (double)eps));
-        for (int64_t i = 0; i < hidden; i++)
-            o[i] = st_@(ld_@(st_@(ld_@(xr[i]) * inv)) * ld_@(weight[i]));
-    }
-}
-
-/* gate_up [T, 2 I] rows stride apart (gate first, then up); out [T, I] contiguous:
-   out = gate / (1 + e^-gate) * up, the SiLU rounded before the product. NaN stays NaN
-   (the clamp leaves the numerator). */
-void silu_mul_@(const scalar_t *gate_up, int64_t stride, scalar_t *out, int64_t num_rows,
-                int64_t inter, int64_t num_threads) {
-#pragma omp parallel for num_threads(num_threads) if (num_rows * inter >= 32768)
-    for (int64_t t = 0; t < num_rows; t++) {
-        const scalar_t *restrict g = gate_up + t * stride;
-        const scalar_t *restrict u = g + inter;
-        scalar_t *restrict o = out + t * inter;
-        for (int64_t i = 0; i < inter; i++) {
-            const float gi = ld_@(g[i]);
-            o[i] = st_@(ld_@(st_@(gi / (1.0f + exp_f32(-gi)))) * ld_@(u[i]));
-        }
-    }
-}
-
-/* key/value [T, row] rows key_stride / value_stride apart; caches [num_slots, row]
-   contiguous; slots [T]. Returns 1, writing nothing, when a slot is out of range. */
-int write_kv_@(const scalar_t *key, int64_t key_stride, const scalar_t *value,
-               int64_t value_stride, scalar_t *key_cache, scalar_t *value_cache,
-               const int64_t *slots, int64_t num_tokens, int64_t row, int64_t num_slots,
-               int64_t num_threads) {
-    for (int64_t t = 0; t < num_tokens; t++)
-        if (slots[t] < 0 || slots[t] >= num_slots) return 1;
-#pragma omp parallel for num_threads(num_threads) if (num_tokens * row >= 262144)
-    for (int64_t t = 0; t < num_tokens; t++) {
-        __builtin_memcpy(key_cache + slots[t] * row, key + t * key_stride,
-                         sizeof(scalar_t) * row);
-        __builtin_memcpy(value_cache + slots[t] * row, value + t * value_stride,
-                         sizeof(scalar_t) * row);
-    }
-    return 0;
-}
-
-/* One row, slice by slice: y[lo:hi] += ((x . A_k rows) times B_k^T) * scale_k, in float32
-   and rounded once into y. shrunk: scratch of max_rank floats; delta: scratch of
-   out_features floats. */
-static void lora_row_@(const scalar_t *restrict x, scalar_t *restrict y, const int64_t *d,
-                       const float *scales, int64_t in_features, float *restrict shrunk,
-                       float *restrict delta) {
-    for (int64_t k = 0; k < d[0]; k++) {
-        const int64_t *sl = d + 1 + 5 * k;
-        const scalar_t *a = (const scalar_t *)(intptr_t)sl[0];
-        const scalar_t *b_t = (const scalar_t *)(intptr_t)sl[1];
-        const int64_t r = sl[2], lo = sl[3], width = sl[4] - sl[3];
-        for (int64_t j = 0; j < r; j++) shrunk[j] = dot_@(x, a + j * in_features, in_features);
-        for (int64_t c = 0; c < width; c++) delta[c] = 0.0f;
-        for (int64_t j = 0; j < r; j++) {
-            const float s = shrunk[j];
-            const scalar_t *restrict bj = b_t + j * width;
-            for (int64_t c = 0; c < width; c++) delta[c] += s * ld_@(bj[c]);
-        }
-        const float scale = scales[k];
-        scalar_t *restrict yk = y + lo;
-        for (int64_t c = 0; c < width; c++) yk[c] = st_@(ld_@(yk[c]) + delta[c] * scale);
-    }
-}
-
-/* x [T, IN] rows x_stride apart; y [T, OUT] rows y_stride apart, updated in place;
-   token_indices [N]; segments [G, 3] (start, end, slot) into token_indices; desc
-   [num_slots, DESC_WIDTH] and scales [num_slots, MAX_SLICES] per slot (0 slices: no
-   adapter in this group). Returns 1 when scratch memory could not be had. */
-int lora_segments_@(const scalar_t *x, int64_t x_stride, scalar_t *y, int64_t y_stride,
-                    const int64_t *token_indices, const int64_t *segments,
-                    int64_t num_segments, const int64_t *desc, const float *scales,
-                    int64_t in_features, int64_t out_features, int64_t max_rank,
-                    int64_t num_threads) {
-    int failed = 0;
-    const int64_t num_rows = segments[3 * (num_segments - 1) + 1];
-#pragma omp parallel num_threads(num_threads) if (num_rows > 1)
-    {
-        float *scratch = (float *)malloc(sizeof(float) * (max_rank + out_features));
-        if (scratch == NULL) {
-#pragma omp atomic write
-            failed = 1;
-        }
-        /* Whole segments per thread when there are enough to share out, so that each
-           adapter's weights come from memory once, into one core's cache; else rows. */
-        const int64_t per_segment = num_segments >= 2 * num_threads;
-        const int64_t items = per_segment ? num_segments : num_rows;
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < items; item++) {
-            int64_t g = 0, first = item, last = item + 1;
-            if (per_segment) {
-                g = item;
-                first = segments[3 * g];
-                last = segments[3 * g + 1];
-            } else {
-                while (item >= segments[3 * g + 1]) g++;
-            }
-            const int64_t slot = segments[3 * g + 2];
-            for (int64_t n = first; n < last && scratch != NULL; n++) {
-                const int64_t t = token_indices[n];
-                lora_row_@(x + t * x_stride, y + t * y_stride, desc + slot * DESC_WIDTH,
-                           scales + slot * MAX_SLICES, in_features, scratch,
-                           scratch + max_rank);
-            }
-        }
-        free(scratch);
-    }
-    return failed;
-}
-"""
-
-# bf16 only: in float32 the torch op's rounding is kept (the exact-equality tests compare
-# float32 with Hugging Face bit for bit), and it costs little there.
-_ROPE_TEMPLATE = r"""
-/* In place: x [T, N, D] (tokens token_stride apart, heads contiguous, pairs (2i, 2i+1))
-   rotated by rope [T, D / 2] (cos, sin) pairs, rope_stride floats apart, in float32 and
-   rounded once: (x0 + i x1) (cos + i sin). */
-void rope_interleaved_@(scalar_t *x, int64_t token_stride, int64_t num_tokens,
-                        int64_t num_heads, int64_t head_dim, const float *rope,
-                        int64_t rope_stride, int64_t num_threads) {
-    const int64_t work = num_tokens * num_heads * head_dim;
-#pragma omp parallel for num_threads(num_threads) if (work >= 262144)
-    for (int64_t t = 0; t < num_tokens; t++) {
-        const float *restrict cs = rope + t * rope_stride;
-        for (int64_t h = 0; h < num_heads; h++) {
-            scalar_t *restrict xh = x + t * token_stride + h * head_dim;
-            for (int64_t i = 0; i < head_dim / 2; i++) {
-                const float x0 = ld_@(xh[2 * i]), x1 = ld_@(xh[2 * i + 1]);
-                const float c = cs[2 * i], sn = cs[2 * i + 1];
-                xh[2 * i] = st_@(x0 * c - x1 * sn);
-                xh[2 * i + 1] = st_@(x0 * sn + x1 * c);
-            }
-        }
-    }
-}
-"""
-
-_SOURCE = (
-    _COMMON + instantiate(_TEMPLATE) + instantiate(_ROPE_TEMPLATE, ("bfloat16",))
-).replace("MAX_SLICES", str(MAX_SLICES))
-
 
 def _declare(lib: ctypes.CDLL) -> None:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
@@ -257,7 +63,9 @@ def _declare(lib: ctypes.CDLL) -> None:
 DTYPE_SUFFIX: dict[torch.dtype, str] = {getattr(torch, name): sfx
                                         for name, (_, sfx) in C_TYPES.items()}
 
-_library = LazyLibrary("cpu_ops", _SOURCE, _declare).get
+_library = LazyLibrary(
+    "cpu_ops", SOURCE_DIR / "cpu_ops.c", _declare, defines={"MAX_SLICES": MAX_SLICES}
+).get
 
 
 def available(device: torch.device, dtype: torch.dtype) -> bool:
