@@ -1,6 +1,9 @@
 """The admin web UI at /admin/ui: server-rendered pages over the admin API's services,
-with a session cookie from an admin key and CSRF tokens on every change."""
+with a session cookie from an admin key and CSRF tokens on every change.
 
-from admin_ui.mount import UPLOAD_PATHS, install
+The service finds it by its entry point (group "loraplex.mounts" in pyproject.toml), as
+`MOUNT`: the app itself never imports it."""
 
-__all__ = ["UPLOAD_PATHS", "install"]
+from admin_ui.mount import MOUNT, UPLOAD_PATHS, install
+
+__all__ = ["MOUNT", "UPLOAD_PATHS", "install"]

@@ -15,7 +15,7 @@ from admin_ui.web import AdminUI, LoginRequired, UIError, get_ui
 from app.api.state import AppState, AppStateDep
 from app.core.principal import LOCAL_PRINCIPAL, Principal
 from app.directory import ALL_SCOPES
-from app.models import ApiKey, utcnow
+from app.tables import ApiKey, utcnow
 
 UIDep = Annotated[AdminUI, Depends(get_ui)]
 

@@ -25,6 +25,7 @@ from admin_ui.web import (
 from app.api.errors import APIError, service_error
 from app.api.state import AppState
 from app.core.errors import ServiceError
+from app.main import Mount
 
 # Streamed uploads: RequestContextMiddleware must not apply the general body limit.
 UPLOAD_PATHS = frozenset({adapters.UPLOAD_PATH})
@@ -67,3 +68,6 @@ def install(app: FastAPI) -> None:
     app.add_exception_handler(UIError, on_ui_error)
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(ServiceError, on_service_error)
+
+
+MOUNT = Mount(name="admin_ui", install=install, upload_paths=UPLOAD_PATHS)

@@ -10,7 +10,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from app.models import AuditLog
+from app.tables import AuditLog
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,6 +19,7 @@ from app.scaleout_cli import gateway, worker
 from app.server_options import (
     engine_config,
     engine_options,
+    installed_mounts,
     load_settings,
     parse_loras,
     preload_adapters,
@@ -63,7 +64,7 @@ async def serve_engine(
     engine = await start_engine(config)
     try:
         await preload_adapters(engine, settings.preload_loras)
-        app = create_app(engine, settings)
+        app = create_app(engine, settings, mounts=installed_mounts())
         if on_ready is not None:
             on_ready(engine, settings)
     except BaseException:

@@ -25,7 +25,7 @@ from app.core.errors import Unauthenticated
 from app.core.principal import AdapterRef, Principal, TenantInfo
 from app.core.security import DISPLAY_PREFIX_CHARS, hash_key, well_formed
 from app.directory_snapshot import EMPTY, Changes, Snapshot, merge, read_changes
-from app.models import Scope, utcnow
+from app.tables import Scope, utcnow
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from sqlalchemy import Select, select
 from sqlalchemy.orm import Session
 
 from app.core.principal import AdapterRef, TenantInfo
-from app.models import Adapter, AdapterStatus, AdapterVersion, ApiKey, Isolation, Tenant, Tier
+from app.tables import Adapter, AdapterStatus, AdapterVersion, ApiKey, Isolation, Tenant, Tier
 from app.tenants import tenant_quotas
 
 _Row = TypeVar("_Row", Tenant, ApiKey, Adapter, AdapterVersion)

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
@@ -14,7 +15,6 @@ from typing import Any
 from fastapi import FastAPI
 from sqlalchemy import Engine
 
-import admin_ui
 from app.api.errors import install_exception_handlers
 from app.api.middleware import RequestContextMiddleware
 from app.api.openapi import install_openapi
@@ -51,12 +51,24 @@ def _version() -> str:
         return "0.0.0"
 
 
-def create_app(engine: EngineClient, settings: Settings) -> FastAPI:
+@dataclass(frozen=True, slots=True)
+class Mount:
+    """Routes served beside the API by another package (the admin UI), passed to
+    create_app by whoever assembles the service (server_options.installed_mounts)."""
+
+    name: str
+    install: Callable[[FastAPI], None]  # called once the API's routes and handlers are in
+    upload_paths: frozenset[str] = frozenset()  # streamed uploads: no general body limit
+
+
+def create_app(
+    engine: EngineClient, settings: Settings, *, mounts: Sequence[Mount] = ()
+) -> FastAPI:
     """Build the app around an engine that is already started; the caller shuts it down.
 
     The database is opened (and an embedded SQLite one upgraded) here; background work
     (key refresh, usage writer, engine registration of adapters) runs while the app's
-    lifespan does.
+    lifespan does. `mounts` add their routes after the API's.
     """
     db_engine = make_engine(settings.resolved_database_url)
     try:
@@ -113,10 +125,11 @@ def create_app(engine: EngineClient, settings: Settings) -> FastAPI:
         RequestContextMiddleware,
         max_body_bytes=settings.max_body_bytes,
         metrics=state.metrics,
-        unlimited_paths=adapters.UPLOAD_PATHS | admin_ui.UPLOAD_PATHS,
+        unlimited_paths=adapters.UPLOAD_PATHS.union(*(m.upload_paths for m in mounts)),
     )
     _include_api_routes(app)
-    admin_ui.install(app)
+    for mount in mounts:
+        mount.install(app)
     return app
 
 

@@ -18,6 +18,7 @@ from app.server_options import (
     DrainingServer,
     engine_config,
     engine_options,
+    installed_mounts,
     load_settings,
     load_worker_settings,
     parse_loras,
@@ -258,7 +259,7 @@ async def serve_gateway(model: str, settings: Settings) -> None:
     )
     await engine.start()
     try:
-        app = create_app(engine, settings)
+        app = create_app(engine, settings, mounts=installed_mounts())
     except BaseException:
         await engine.shutdown()
         raise

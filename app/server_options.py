@@ -10,6 +10,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
+from importlib.metadata import entry_points
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
@@ -21,7 +22,7 @@ from pydantic import ValidationError
 
 from app.core.config import Settings, WorkerSettings
 from app.core.principal import REGISTRY_ENGINE_PREFIX
-from app.main import begin_drain
+from app.main import Mount, begin_drain
 from engine.client import EngineClient
 from engine.config import EngineConfig
 from engine.models.config import ModelLoadError
@@ -31,10 +32,26 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("loraplex")
 
+# Where installed packages declare what the service mounts beside its API (the admin UI).
+MOUNTS_GROUP = "loraplex.mounts"
+
 _EXIT_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 # A failed engine is reported on /health and /ready this long before the socket closes,
 # so that probes and load balancers see why the replica goes away.
 _FAILURE_GRACE_S = 1.0
+
+
+def installed_mounts() -> list[Mount]:
+    """The Mounts of the MOUNTS_GROUP entry points, by name: what `serve`, `gateway` and
+    `demo` pass to create_app (so the app never imports the packages above it)."""
+    mounts = []
+    for point in sorted(entry_points(group=MOUNTS_GROUP), key=lambda p: p.name):
+        mount = point.load()
+        if not isinstance(mount, Mount):
+            raise TypeError(f"entry point {point.name} ({point.value}) is not an app.main.Mount")
+        mounts.append(mount)
+    logger.debug("mounted beside the API: %s", ", ".join(m.name for m in mounts) or "nothing")
+    return mounts
 
 
 class ListenSettings(Protocol):

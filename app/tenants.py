@@ -21,7 +21,7 @@ from app.audit import AuditContext, audit
 from app.core.errors import Conflict, InvalidInput, NotFound
 from app.core.principal import Quotas
 from app.core.security import generate_key
-from app.models import Adapter, ApiKey, Isolation, Scope, Tenant, Tier, new_id, utcnow
+from app.tables import Adapter, ApiKey, Isolation, Scope, Tenant, Tier, new_id, utcnow
 
 QUOTA_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Quotas))
 DEFAULT_SCOPES: tuple[Scope, ...] = (Scope.INFERENCE,)

@@ -43,7 +43,7 @@ from bench.workload import (
     percentile,
 )
 from engine.config import default_data_dir
-from engine.model_loader import load_model_config, resolve_model
+from engine.model_loader import load_model_config, resolve_model_dir
 
 # scenario -> (flood tenant's tier, probe tenant's tier)
 SCENARIOS: dict[str, tuple[str, str]] = {
@@ -108,7 +108,7 @@ def run_fairness(opts: FairnessOptions) -> dict[str, object]:
     unknown = set(opts.scenarios) - SCENARIOS.keys() | set(opts.modes) - set(MODES)
     if unknown:
         raise ValueError(f"unknown scenarios or modes: {sorted(unknown)}")
-    vocab = load_model_config(resolve_model(opts.model, default_data_dir())).vocab_size
+    vocab = load_model_config(resolve_model_dir(opts.model, default_data_dir())).vocab_size
     flood = make_requests(
         opts.flood_requests, vocab_size=vocab, prompt_len=opts.flood_prompt_len,
         output_len=opts.flood_output_len, seed=opts.seed,
@@ -258,7 +258,7 @@ def _model_dir_args(serve_args: list[str]) -> list[str]:
     args = list(serve_args)
     for index, arg in enumerate(args[:-1]):
         if arg == "--model" and args[index + 1] == "default":
-            args[index + 1] = str(resolve_model("default", default_data_dir()))
+            args[index + 1] = str(resolve_model_dir("default", default_data_dir()))
     return args
 
 

@@ -159,7 +159,7 @@ def check_usage(server: Server, max_tokens: int) -> UsageCheck:
     from sqlalchemy import func, select
 
     from app.db import make_engine
-    from app.models import UsageRecord
+    from app.tables import UsageRecord
 
     scope = (UsageRecord.tenant_id.is_(None) if server.tenant_id is None
              else UsageRecord.tenant_id == server.tenant_id)

@@ -37,7 +37,7 @@ from bench.grammar_driver import BatchRun, DriveOptions, Driver, Stats
 from bench.grammar_hostile import HostileResult, run_hostile
 from bench.throughput import machine_description
 from engine.config import default_data_dir
-from engine.model_loader import load_model_config, resolve_model
+from engine.model_loader import load_model_config, resolve_model_dir
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 LIBRARIES = ("xgrammar", "llguidance")
@@ -152,7 +152,7 @@ def run_grammar(options: GrammarOptions) -> GrammarReport:
     options = options.effective()
     say = (lambda *_: None) if options.quiet else print
     started_at = time.strftime("%Y-%m-%dT%H:%M:%S")
-    model_dir = resolve_model(options.model, default_data_dir())
+    model_dir = resolve_model_dir(options.model, default_data_dir())
     vocab_size = load_model_config(model_dir).vocab_size
     hf_tokenizer = AutoTokenizer.from_pretrained(model_dir)
     assert len(hf_tokenizer) == vocab_size, (len(hf_tokenizer), vocab_size)

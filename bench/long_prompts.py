@@ -32,7 +32,7 @@ from bench.server import engine_counters, running_server
 from bench.throughput import model_name, print_row, report_header, write_report
 from bench.workload import BenchRequest, RequestTiming, _one_stream, make_requests, percentile
 from engine.config import default_data_dir
-from engine.model_loader import load_model_config, resolve_model
+from engine.model_loader import load_model_config, resolve_model_dir
 
 SETTINGS: dict[str, list[str]] = {
     # No chunked prefill either: a step takes a whole 8k prompt (the flags given last win).
@@ -152,7 +152,7 @@ def run_long_prompts(opts: LongPromptOptions) -> dict[str, object]:
     unknown = set(opts.settings) - SETTINGS.keys()
     if unknown:
         raise ValueError(f"unknown settings: {sorted(unknown)}")
-    model_dir = resolve_model(opts.model, default_data_dir())
+    model_dir = resolve_model_dir(opts.model, default_data_dir())
     schedule = arrivals(opts, load_model_config(model_dir).vocab_size)
     report: dict[str, object] = report_header("long-prompts", opts)
     results: list[dict[str, object]] = []

@@ -27,7 +27,7 @@ from bench.throughput import (
 )
 from bench.workload import BenchRequest, LoadResult, make_requests, percentile, run_load
 from engine.config import EngineConfig, default_data_dir
-from engine.model_loader import ModelConfig, load_model_config, resolve_model
+from engine.model_loader import ModelConfig, load_model_config, resolve_model_dir
 
 TARGET_SETS: dict[str, tuple[str, ...]] = {
     "qv": ("q_proj", "v_proj"),
@@ -60,7 +60,7 @@ class LoRABenchOptions:
 
 
 def _model(opts: LoRABenchOptions) -> tuple[Path, ModelConfig]:
-    model_dir = resolve_model(opts.model, default_data_dir())
+    model_dir = resolve_model_dir(opts.model, default_data_dir())
     return model_dir, load_model_config(model_dir)
 
 

@@ -32,7 +32,7 @@ import torch
 
 from bench.throughput import machine_description, print_row
 from engine.config import EngineConfig, default_data_dir
-from engine.model_loader import load_model_config, resolve_model
+from engine.model_loader import load_model_config, resolve_model_dir
 from engine.model_runner import dtype_name
 
 
@@ -334,7 +334,7 @@ def run_roofline(opts: RooflineOptions) -> dict[str, Any]:
     from bench.lora import make_adapters
     from engine.engine_core import EngineCore
 
-    model_dir = resolve_model(opts.model, default_data_dir())
+    model_dir = resolve_model_dir(opts.model, default_data_dir())
     mc = load_model_config(model_dir)
     core = EngineCore(
         EngineConfig(

@@ -19,7 +19,7 @@ from bench.serve_options import ServeOptions
 from bench.server import free_port, stop, wait_ready
 from bench.throughput import model_name
 from engine.config import default_data_dir
-from engine.model_loader import ModelLoadError, load_model_config, resolve_model
+from engine.model_loader import ModelLoadError, load_model_config, resolve_model_dir
 
 ADAPTER_RANK = 16
 ADAPTER_TARGETS = "attention"
@@ -49,7 +49,7 @@ def open_target(opts: ServeOptions) -> Iterator[LiveTarget]:
         yield LiveTarget(target, None, opts.vocab_size or _local_vocab_size(opts.model))
         return
     model = opts.model or "default"
-    model_dir = resolve_model(model, default_data_dir())
+    model_dir = resolve_model_dir(model, default_data_dir())
     config = load_model_config(model_dir)
     # The bundled model's adapters are the other LoRA benchmarks' too; another model's
     # go to a folder of their own, since their shapes differ.
@@ -94,6 +94,6 @@ def _local_vocab_size(model: str | None) -> int | None:
     if model is None:
         return None
     try:
-        return load_model_config(resolve_model(model, default_data_dir())).vocab_size
+        return load_model_config(resolve_model_dir(model, default_data_dir())).vocab_size
     except (ModelLoadError, OSError, ValueError):
         return None

@@ -46,7 +46,7 @@ from bench.soak_traffic import TENANT_MAX_TOKENS, Outcome, Traffic, TrafficShape
 from bench.throughput import machine_description
 from bench.workload import median, percentile
 from engine.config import default_data_dir
-from engine.model_loader import load_model_config, resolve_model
+from engine.model_loader import load_model_config, resolve_model_dir
 
 DEFAULT_KV_CACHE_TOKENS = 8192
 _ENV_DROP = ("DATABASE_URL", "REDIS_URL", "LORAPLEX_NO_AUTH", "LORAPLEX_DATA_DIR")
@@ -269,7 +269,7 @@ async def _drive(server: SoakServer, key: str, opts: SoakOptions, adapter_dirs: 
 
 
 def run_soak(opts: SoakOptions) -> SoakReport:
-    model_dir = resolve_model(opts.model, default_data_dir())
+    model_dir = resolve_model_dir(opts.model, default_data_dir())
     started_at = time.strftime("%Y-%m-%dT%H:%M:%S")
     with tempfile.TemporaryDirectory(prefix="loraplex-soak-") as tmp:
         data_dir = Path(tmp)

@@ -45,7 +45,7 @@ from bench.structured_load import (
 from bench.structured_validity import Validity, run_validity, validity_adapters
 from bench.throughput import machine_description
 from engine.config import default_data_dir
-from engine.model_loader import load_model_config, resolve_model
+from engine.model_loader import load_model_config, resolve_model_dir
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 TPOT_TARGET = 1.15  # constrained / free TPOT p50 the feature is held to
@@ -252,7 +252,7 @@ def run_structured(options: StructuredOptions) -> StructuredReport:
     say = (lambda *_: None) if opts.quiet else (lambda *a: print(*a, flush=True))
     started_at = time.strftime("%Y-%m-%dT%H:%M:%S")
     load_before = [round(x, 2) for x in os.getloadavg()]
-    model_dir = resolve_model(opts.model, default_data_dir())
+    model_dir = resolve_model_dir(opts.model, default_data_dir())
     compile_figures = run_compiles(opts, model_dir)
     say(f"compile: cold p50 {compile_figures.cold_ms['p50']:.1f} ms, cached p50 "
         f"{compile_figures.cached_ms['p50']:.3f} ms")

@@ -23,7 +23,7 @@ from bench.hf_baseline import HFResult, load_hf_model, run_one_at_a_time, run_st
 from bench.server import ProcessMemory, running_server
 from bench.workload import BenchRequest, LoadResult, make_requests, run_load
 from engine.config import default_data_dir
-from engine.model_loader import load_model_config, resolve_model
+from engine.model_loader import load_model_config, resolve_model_dir
 
 
 @dataclass(slots=True)
@@ -46,7 +46,7 @@ class ThroughputOptions:
 
 
 def run_throughput(opts: ThroughputOptions) -> dict[str, object]:
-    model_dir = resolve_model(opts.model, default_data_dir())
+    model_dir = resolve_model_dir(opts.model, default_data_dir())
     vocab = load_model_config(model_dir).vocab_size
     requests = make_requests(
         opts.num_requests,

@@ -20,7 +20,7 @@ from engine.isolation import Execute, forward_one_by_one, probe_device, sample_o
 from engine.limits import ContextLimits, check_prompt_ids, resolve_max_tokens
 from engine.lora.cache import AdapterCache
 from engine.lora.weights import LoRAWeights
-from engine.model_loader import resolve_model
+from engine.model_loader import resolve_model_dir
 from engine.model_runner import ModelRunner
 from engine.output_processor import OutputProcessor, request_output
 from engine.request import EngineRequest, Request, RequestOutput, RequestStatus, TenantContext
@@ -54,7 +54,7 @@ class EngineCore:
         """wakeup: called (from any thread) when something the step loop may be waiting
         for happened (an adapter finished loading)."""
         self.config = config
-        self.model_dir = resolve_model(config.model, config.resolved_data_dir)
+        self.model_dir = resolve_model_dir(config.model, config.resolved_data_dir)
         self.runner = ModelRunner(config, self.model_dir)
         self.tokenizer = self.runner.tokenizer
         self.max_model_len = self.runner.max_model_len

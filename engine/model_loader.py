@@ -38,7 +38,7 @@ _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 # ---------------------------------------------------------------------------- resolving
 
 
-def resolve_model(model: str, data_dir: Path) -> Path:
+def resolve_model_dir(model: str, data_dir: Path) -> Path:
     """`"default"` -> the converted bundled SmolLM2 (converted on first use); else a local dir."""
     if model == "default":
         return ensure_default_model(data_dir)

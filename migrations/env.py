@@ -8,7 +8,7 @@ from alembic import context
 from sqlalchemy import pool
 
 from app.db import make_engine, normalize_url
-from app.models import Base
+from app.tables import Base
 
 config = context.config
 target_metadata = Base.metadata

@@ -19,7 +19,7 @@ from app.api.errors import service_error
 from app.billing import service as billing
 from app.billing.service import InvoiceView
 from app.core.errors import ServiceError
-from app.models import utcnow
+from app.tables import utcnow
 
 router = APIRouter()
 

@@ -20,7 +20,7 @@ from app.api.errors import service_error, validation_error
 from app.api.schemas.tenants import TenantKeyCreate
 from app.api.state import AppStateDep
 from app.core.errors import ServiceError
-from app.models import Scope
+from app.tables import Scope
 
 router = APIRouter()
 

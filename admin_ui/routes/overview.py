@@ -16,7 +16,7 @@ from app.api.deps import SessionDep
 from app.api.routes.admin_engine import engine_view
 from app.api.state import AppStateDep
 from app.metering.reports import usage_report
-from app.models import utcnow
+from app.tables import utcnow
 
 router = APIRouter()
 

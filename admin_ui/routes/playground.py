@@ -27,10 +27,10 @@ from admin_ui.web import PREFIX, render
 from app import tenants as crud
 from app.api.deps import SessionDep
 from app.api.errors import APIError, validation_error
-from app.api.generation import serve_generation
-from app.api.protocol import ChatCompletionRequest, ChatCompletionResponse
-from app.api.rendering import ChatRenderer
-from app.api.serving import plan_chat
+from app.api.openai.generation import serve_generation
+from app.api.openai.planning import plan_chat
+from app.api.openai.protocol import ChatCompletionRequest, ChatCompletionResponse
+from app.api.openai.rendering import ChatRenderer
 from app.api.state import AppState, AppStateDep
 from app.core.errors import ServiceError
 from app.core.principal import Principal

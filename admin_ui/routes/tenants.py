@@ -25,7 +25,7 @@ from app.api.schemas.tenants import QuotasBody, TenantCreate
 from app.api.state import AppStateDep
 from app.billing import service as billing
 from app.core.errors import ServiceError
-from app.models import Isolation, Tenant, Tier
+from app.tables import Isolation, Tenant, Tier
 
 router = APIRouter()
 

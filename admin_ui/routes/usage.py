@@ -21,7 +21,7 @@ from app.api.routes.usage import admin_usage
 from app.api.schemas.usage import UsageReport
 from app.core.errors import ServiceError
 from app.metering.reports import GROUP_BY_VALUES, UsageRow
-from app.models import utcnow
+from app.tables import utcnow
 
 router = APIRouter()
 

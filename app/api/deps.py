@@ -17,7 +17,7 @@ from sqlalchemy.orm import Session
 from app.api.errors import APIError
 from app.api.state import AppStateDep
 from app.core.principal import LOCAL_PRINCIPAL, Principal
-from app.models import Scope
+from app.tables import Scope
 
 
 async def get_principal(request: Request, state: AppStateDep) -> Principal:

@@ -10,9 +10,9 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from app.api.protocol import ErrorInfo, ErrorResponse
 from app.core.errors import ErrorKind, ServiceError, Unavailable
 
 logger = logging.getLogger(__name__)
@@ -22,6 +22,19 @@ SERVER_ERROR = "server_error"
 
 # Union members show up in pydantic error locations as type tags; they are not params.
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none", "literal"})
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """The body of every error the API answers (OpenAI's shape)."""
+
+    error: ErrorInfo
 
 
 class APIError(Exception):

@@ -24,7 +24,7 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel
 
 from app.api.deps import ACT_FOR_TENANT_HEADER, get_principal
-from app.api.protocol import ErrorResponse
+from app.api.errors import ErrorResponse
 
 REF_PREFIX = "#/components/schemas/"
 BEARER_SCHEME = "bearerAuth"

@@ -15,7 +15,7 @@ from app.audit import record_audit
 from app.billing import records
 from app.billing.plans import PricePlan, TokenPrices, VolumeTier, minor_units
 from app.core.errors import Conflict, InvalidInput
-from app.models import PlanRecord, Tenant, new_id
+from app.tables import PlanRecord, Tenant, new_id
 from app.tenants import conflict
 
 # Plan names as tenants' `plan` field accepts them.

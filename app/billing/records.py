@@ -22,7 +22,8 @@ from sqlalchemy.orm import Session
 from app.billing.invoice import BillableUsage, HostedAdapter
 from app.billing.periods import month_start, next_period, previous_period
 from app.billing.plans import PricePlan
-from app.models import (
+from app.sql_time import utc_month
+from app.tables import (
     Adapter,
     AdapterStatus,
     AdapterVersion,
@@ -31,7 +32,6 @@ from app.models import (
     Tenant,
     UsageRecord,
 )
-from app.sql_time import utc_month
 
 # Adapter-months are rounded to this quantum (a millionth of a month is ~2.7 s).
 MONTHS_QUANTUM = Decimal("0.000001")

@@ -48,7 +48,7 @@ from app.billing.periods import check_period
 from app.billing.plans import PricePlan
 from app.billing.views import InvoiceView, invoice_view
 from app.core.errors import InvalidInput
-from app.models import InvoiceRecord, new_id, utcnow
+from app.tables import InvoiceRecord, new_id, utcnow
 from app.tenants import get_tenant, not_found
 
 # The plans half of the interface lives in app/billing/catalog.py.

@@ -9,7 +9,7 @@ from typing import Literal
 from pydantic import BaseModel
 
 from app.billing.invoice import Invoice, InvoiceLine
-from app.models import InvoiceRecord
+from app.tables import InvoiceRecord
 
 
 class InvoiceView(BaseModel):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from app.models import Isolation, Scope, Tier
+from app.tables import Isolation, Scope, Tier
 
 # The engine names of registry adapter versions start with this; other engine adapters are
 # the operator's preloaded ones (`--lora`), whose names must not.

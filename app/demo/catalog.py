@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from app.models import Tier
+from app.tables import Tier
 
 DATASETS_DIR = Path(__file__).resolve().parent / "data"
 

@@ -21,9 +21,9 @@ from app.demo.catalog import DEMO_ADAPTERS
 from app.demo.seed import KEYS_FILE, AdminKey, DemoError, ensure_admin_key, seed_demo
 from app.demo.train import TrainingError
 from app.main import create_app
-from app.server_options import DrainingServer, start_engine
+from app.server_options import DrainingServer, installed_mounts, start_engine
 from engine.config import EngineConfig
-from engine.model_loader import resolve_model
+from engine.model_loader import resolve_model_dir
 from engine.threads import on_passing_thread
 
 logger = logging.getLogger("loraplex.demo")
@@ -37,7 +37,7 @@ def prepare_adapters(
     settings: Settings, echo: Callable[[str], None] = click.echo
 ) -> list[TrainedAdapter]:
     """The bundled model converted (once) and the demo adapters trained on it (once)."""
-    base_dir = resolve_model("default", settings.data_dir)
+    base_dir = resolve_model_dir("default", settings.data_dir)
     # NOTE: on a thread that ends with the training, so that its OpenMP team goes too
     # and the engine's step thread is left the only one (engine/threads.py).
     trained = on_passing_thread(
@@ -72,7 +72,7 @@ async def _serve(
 ) -> None:
     engine = await start_engine(config)
     try:
-        app = create_app(engine, settings)
+        app = create_app(engine, settings, mounts=installed_mounts())
         server = DrainingServer(app, settings, engine_failure=engine.failure)
         serving = asyncio.create_task(server.serve())
         # NOTE: set up inside the running server: uploads go through its registry, which

@@ -33,10 +33,10 @@ from app.core.security import generate_key, hash_key
 from app.db import session_scope
 from app.demo.cache import TrainedAdapter
 from app.demo.catalog import DEMO_TENANTS, DemoTenant
-from app.models import AdapterStatus, ApiKey, Tenant
 from app.registry.archive import CONFIG_FILE, WEIGHTS_FILE, content_digest
 from app.registry.service import AdapterRegistry
 from app.registry.views import SHARED_OWNER, VersionView
+from app.tables import AdapterStatus, ApiKey, Tenant
 
 logger = logging.getLogger("loraplex.demo")
 

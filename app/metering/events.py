@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from app.models import UsageStatus
+from app.tables import UsageStatus
 
 # Bumped if the line format ever changes; readers refuse versions they do not know.
 LINE_VERSION = 1

@@ -25,7 +25,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from app.db import session_scope
 from app.metering.events import UsageEvent, event_row
 from app.metering.spool import Segment, Spool
-from app.models import UsageRecord
+from app.tables import UsageRecord
 
 __all__ = ["UsageEvent", "UsageRecorder"]
 

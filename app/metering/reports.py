@@ -23,8 +23,8 @@ from sqlalchemy.orm import QueryableAttribute, Session
 from app.billing.invoice import round_amount, token_amount
 from app.billing.plans import TOKEN_KINDS, PricePlan
 from app.billing.records import tenant_plans
-from app.models import Adapter, ApiKey, UsageRecord, UsageStatus
 from app.sql_time import utc_day
+from app.tables import Adapter, ApiKey, UsageRecord, UsageStatus
 
 _Column = ColumnElement[Any] | QueryableAttribute[Any]
 GroupBy = Literal["day", "adapter", "key"]

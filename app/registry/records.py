@@ -12,7 +12,6 @@ from sqlalchemy.orm import Session, selectinload
 
 from app.audit import AuditContext, audit
 from app.core.errors import Forbidden
-from app.models import Adapter, AdapterStatus, AdapterVersion, Tenant, new_id, utcnow
 from app.registry.archive import UnpackedAdapter
 from app.registry.views import (
     SHARED_OWNER,
@@ -23,6 +22,7 @@ from app.registry.views import (
     tenant_not_found,
     version_view,
 )
+from app.tables import Adapter, AdapterStatus, AdapterVersion, Tenant, new_id, utcnow
 
 # Versions whose files must stay on disk.
 LIVE_STATUSES = (AdapterStatus.VALIDATING.value, AdapterStatus.READY.value)

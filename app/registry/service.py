@@ -35,12 +35,12 @@ from app.core.errors import (
 )
 from app.core.principal import AdapterRef
 from app.db import session_scope
-from app.models import AdapterStatus
 from app.registry import records
 from app.registry.archive import ArchiveError, UnpackedAdapter, unpack_adapter
 from app.registry.store import AdapterStore
 from app.registry.sync import EngineSync
 from app.registry.views import AdapterView, SyncResult, VersionView, check_adapter_name
+from app.tables import AdapterStatus
 from engine.client import EngineClient, EngineUnavailable
 from engine.lora.weights import AdapterError
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from app.core.errors import InvalidInput, NotFound
 from app.core.principal import REGISTRY_ENGINE_PREFIX
-from app.models import Adapter, AdapterStatus, AdapterVersion
+from app.tables import Adapter, AdapterStatus, AdapterVersion
 
 # What tenants call an adapter in `model` (before an optional "@<version>").
 ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")

@@ -18,7 +18,7 @@ from engine.placement.topology import PlacementInputError, check_keys, read_yaml
 
 DEFAULT_CONCURRENCY = 1
 DEFAULT_CONTEXT = 4096
-ISOLATIONS = ("dedicated", "shared")  # the values of app.models.Isolation
+ISOLATIONS = ("dedicated", "shared")  # the values of app.tables.Isolation
 _KEYS = {"name", "isolation", "concurrency", "context"}
 
 

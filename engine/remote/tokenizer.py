@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 from engine.chat_template import render_chat_ids, template_has_tools
 from engine.detokenizer import IncrementalDetokenizer
-from engine.model_loader import ModelConfig, load_model_config, load_tokenizer, resolve_model
+from engine.model_loader import ModelConfig, load_model_config, load_tokenizer, resolve_model_dir
 from engine.structured import GrammarCompiler, StructuredOutput
 
 
@@ -42,7 +42,7 @@ class LocalTokenizer:
         """model: "default" (the bundled SmolLM2, converted on first use) or a directory."""
         from engine.async_engine import model_id_for
 
-        self.model_dir = resolve_model(model, data_dir)
+        self.model_dir = resolve_model_dir(model, data_dir)
         self.model_config: ModelConfig = load_model_config(self.model_dir)
         self.model_id = model_id_for(model, self.model_dir)
         self._tokenizer = load_tokenizer(self.model_dir)

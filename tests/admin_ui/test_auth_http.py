@@ -17,6 +17,7 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
+from admin_ui import MOUNT
 from admin_ui.sessions import BOOTSTRAP, LOGIN_CSRF_COOKIE, SESSION_COOKIE
 from admin_ui.web import AdminUI
 from app.core.config import Settings
@@ -62,7 +63,7 @@ def _settings(database_url: str, data_dir: Path, **overrides: Any) -> Settings:
 @asynccontextmanager
 async def _serve(settings: Settings, base_url: str = "http://testserver"
                  ) -> AsyncIterator[Served]:
-    app = create_app(FakeEngine(), settings)
+    app = create_app(FakeEngine(), settings, mounts=[MOUNT])
     async with asgi_client(app) as client:
         client.base_url = httpx.URL(base_url)
         yield Served(app, client)

@@ -23,6 +23,7 @@ import openai
 import pytest
 from playwright.sync_api import Browser, BrowserContext, Page, expect, sync_playwright
 
+from admin_ui import MOUNT
 from app.core.config import Settings
 from app.main import create_app
 from engine.client import AdapterInfo
@@ -117,7 +118,7 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
         data_dir=root / "data", database_url=f"sqlite:///{root / 'ui.db'}",
         admin_key=ADMIN_KEY, secret_key=SECRET_KEY, usage_flush_interval_s=0.05,
     )
-    with serve_in_thread(create_app(engine, settings)) as url:
+    with serve_in_thread(create_app(engine, settings, mounts=[MOUNT])) as url:
         service = Service(url, engine, archive)
         with service.api() as api:
             assert api.post("/admin/plans", json=PLAN).status_code == 201

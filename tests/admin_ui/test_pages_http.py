@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from admin_ui import MOUNT
 from app.core.config import Settings
 from app.main import create_app
 from tests.admin_ui.pages import UI, csrf_of, login
@@ -39,7 +40,7 @@ async def admin(database_url: str, tmp_path: Path) -> AsyncIterator[Admin]:
                         admin_key=ADMIN_KEY, secret_key=SECRET_KEY)
     # Room for the tools prompt of the playground's tool call.
     engine = FakeEngine(max_model_len=1024)
-    async with asgi_client(create_app(engine, settings)) as client:
+    async with asgi_client(create_app(engine, settings, mounts=[MOUNT])) as client:
         assert (await login(client, ADMIN_KEY)).status_code == 303
         yield Admin(client, await csrf_of(client), engine)
 

@@ -31,8 +31,8 @@ from app.core.config import Settings
 from app.db import make_engine, session_factory, session_scope
 from app.main import create_app
 from app.metrics import Metrics
-from app.models import Adapter, AdapterVersion, AuditLog
 from app.registry.archive import CONFIG_FILE, WEIGHTS_FILE
+from app.tables import Adapter, AdapterVersion, AuditLog
 from engine.async_engine import AsyncEngine
 from engine.client import EngineClient, RequestRejected
 from engine.config import EngineConfig

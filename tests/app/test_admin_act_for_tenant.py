@@ -20,7 +20,7 @@ from sqlalchemy import select
 from app.core.config import Settings
 from app.db import make_engine, session_factory, session_scope
 from app.main import create_app
-from app.models import UsageRecord
+from app.tables import UsageRecord
 from tests.utils.fake_engine import FakeEngine
 from tests.utils.live_server import serve_in_thread
 from tests.utils.saas import ADMIN_KEY, SECRET_KEY, bearer, create_key, create_tenant, tar_gz

@@ -26,7 +26,7 @@ from app.core.security import hash_key, well_formed
 from app.db import make_engine, session_factory, session_scope
 from app.directory import Directory
 from app.metrics import Metrics
-from app.models import Adapter, ApiKey, AuditLog, Tenant, UsageRecord, new_id, utcnow
+from app.tables import Adapter, ApiKey, AuditLog, Tenant, UsageRecord, new_id, utcnow
 from tests.utils.fake_engine import FakeEngine
 
 SECRET = "admin-routes-test-secret-0123456789abcdef"

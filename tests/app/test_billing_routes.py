@@ -22,7 +22,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from app.core.config import Settings
 from app.db import session_scope
 from app.main import create_app
-from app.models import InvoiceRecord, UsageRecord, UsageStatus, new_id
+from app.tables import InvoiceRecord, UsageRecord, UsageStatus, new_id
 from tests.utils.fake_engine import FakeEngine, asgi_client
 from tests.utils.saas import ADMIN_KEY, SECRET_KEY, bearer
 

@@ -14,7 +14,7 @@ import openai
 import pytest
 from openai.types import Completion
 
-from app.models import UsageRecord
+from app.tables import UsageRecord
 from engine.async_engine import AsyncEngine
 from tests.utils.peft_adapters import make_peft_adapter
 from tests.utils.real_service import real_service, usage_rows

@@ -21,7 +21,7 @@ from app.core.principal import AdapterRef, Principal, Quotas, TenantInfo
 from app.core.security import generate_key
 from app.db import make_engine, session_factory, session_scope
 from app.directory import Directory
-from app.models import (
+from app.tables import (
     Adapter,
     AdapterStatus,
     AdapterVersion,

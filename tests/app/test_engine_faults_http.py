@@ -21,7 +21,7 @@ import httpx
 import openai
 import pytest
 
-from app.models import UsageRecord
+from app.tables import UsageRecord
 from engine.async_engine import AsyncEngine
 from engine.faults import FAULTS_ENV
 from engine.request import SchedulerOutput

@@ -27,7 +27,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from app.db import make_engine, session_factory
 from app.metering import SpoolBusyError, UsageEvent, UsageRecorder
 from app.metering.events import encode_event
-from app.models import UsageRecord, UsageStatus
+from app.tables import UsageRecord, UsageStatus
 from tests.utils.databases import migrated_database
 from tests.utils.tcp_proxy import TcpProxy
 

@@ -19,7 +19,7 @@ from app.db import (
     prepare_database,
     upgrade,
 )
-from app.models import Base
+from app.tables import Base
 from tests.utils.databases import empty_database
 
 TABLES = {

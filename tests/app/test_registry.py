@@ -22,9 +22,9 @@ from app.core.config import Settings
 from app.core.errors import ServiceError
 from app.core.principal import AdapterRef
 from app.db import make_engine, session_factory, session_scope
-from app.models import Adapter, AdapterStatus, AdapterVersion, AuditLog, Tenant, utcnow
 from app.registry.archive import CONFIG_FILE, WEIGHTS_FILE
 from app.registry.service import AdapterRegistry
+from app.tables import Adapter, AdapterStatus, AdapterVersion, AuditLog, Tenant, utcnow
 from engine.client import AdapterInfo, EngineUnavailable
 from engine.lora.weights import AdapterError
 from tests.app.test_archive import Entry, write_tar_gz, write_zip

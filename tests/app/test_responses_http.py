@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from app.models import UsageRecord
+from app.tables import UsageRecord
 from engine.async_engine import AsyncEngine
 from tests.utils.real_service import real_service, usage_rows
 from tests.utils.saas import create_key, create_tenant

@@ -22,7 +22,7 @@ from sqlalchemy import select
 from app.core.config import Settings
 from app.db import make_engine, session_factory, upgrade
 from app.main import create_app
-from app.models import UsageRecord
+from app.tables import UsageRecord
 from tests.utils.databases import fresh_postgres_database
 from tests.utils.fake_engine import FakeEngine
 from tests.utils.live_server import serve_in_thread

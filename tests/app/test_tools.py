@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from app.api.errors import APIError
-from app.api.protocol import ChatTool, NamedToolChoice, ToolChoice
-from app.api.tool_calls import ToolCallStreamParser, parse_tool_calls
-from app.api.tools import (
+from app.api.openai.protocol import ChatTool, NamedToolChoice, ToolChoice
+from app.api.openai.tool_calls import ToolCallStreamParser, parse_tool_calls
+from app.api.openai.tools import (
     INVALID_TOOL_CHOICE,
     INVALID_TOOLS,
     MAX_TOOLS,

@@ -12,8 +12,8 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from app.api.protocol import DeltaMessage
-from app.api.tool_calls import ToolCallStreamParser, new_call_id, parse_tool_calls
+from app.api.openai.protocol import DeltaMessage
+from app.api.openai.tool_calls import ToolCallStreamParser, new_call_id, parse_tool_calls
 
 NAMES = frozenset({"get_weather", "add", "search-web", "noargs"})
 
@@ -169,8 +169,8 @@ def test_calls_broken_after_their_name_stay_content(text: str) -> None:
 
 
 def test_a_plan_names_the_functions() -> None:
-    from app.api.protocol import ChatTool
-    from app.api.tools import tool_plan
+    from app.api.openai.protocol import ChatTool
+    from app.api.openai.tools import tool_plan
 
     plan = tool_plan([ChatTool.model_validate({"type": "function",
                                                "function": {"name": "add"}})], "auto")

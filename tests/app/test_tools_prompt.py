@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 
 from app.api.errors import APIError
-from app.api.protocol import ChatMessage, ChatTool, NamedToolChoice
-from app.api.tool_calls import parse_tool_calls
-from app.api.tool_prompt import (
+from app.api.openai.protocol import ChatMessage, ChatTool, NamedToolChoice
+from app.api.openai.tool_calls import parse_tool_calls
+from app.api.openai.tool_prompt import (
     TOOLS_PROMPT,
     ChatPrompt,
     call_block,
@@ -21,7 +21,7 @@ from app.api.tool_prompt import (
     template_uses_tools,
     tools_prompt,
 )
-from app.api.tools import NO_TOOLS, tool_plan
+from app.api.openai.tools import NO_TOOLS, tool_plan
 from engine.model_loader import load_tokenizer
 
 # A template in the Hermes style Qwen2.5 and Qwen3 use: tools listed in the system turn,

@@ -29,7 +29,7 @@ from app.db import make_engine, session_factory, session_scope
 from app.directory import Directory
 from app.metering import UsageEvent, UsageRecorder
 from app.metrics import Metrics
-from app.models import Adapter, Scope, UsageStatus, new_id
+from app.tables import Adapter, Scope, UsageStatus, new_id
 from app.tenants import create_admin_key, create_tenant, create_tenant_key
 from tests.utils.fake_engine import FakeEngine, asgi_client
 from tests.utils.saas import ADMIN_KEY, SECRET_KEY, bearer

@@ -41,7 +41,7 @@ from app.billing.service import (
 )
 from app.core.errors import ServiceError
 from app.db import make_engine, session_factory, session_scope
-from app.models import (
+from app.tables import (
     Adapter,
     AdapterStatus,
     AdapterVersion,

@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 from sqlalchemy import create_engine, select
 
-from app.models import UsageRecord
+from app.tables import UsageRecord
 from tests.utils.saas import bearer
 
 # Streams the client cuts ask for this many tokens: far more than it waits for.

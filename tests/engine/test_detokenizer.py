@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from engine.detokenizer import IncrementalDetokenizer, TokenTexts
-from engine.model_loader import load_tokenizer, resolve_model
+from engine.model_loader import load_tokenizer, resolve_model_dir
 
 REPO = Path(__file__).resolve().parents[2]
 CHAT_PROMPT = "<|im_start|>user\nSay something.<|im_end|>\n<|im_start|>assistant\n"
@@ -31,7 +31,7 @@ def tokenizer() -> Any:
     if override:
         return load_tokenizer(Path(override))
     data_dir = Path(os.environ.get("LORAPLEX_DATA_DIR", REPO / "var"))
-    return load_tokenizer(resolve_model("default", data_dir))
+    return load_tokenizer(resolve_model_dir("default", data_dir))
 
 
 class _CountingTokenizer:

@@ -25,7 +25,7 @@ from engine.model_loader import (
     load_model_config,
     load_tokenizer,
     parse_model_config,
-    resolve_model,
+    resolve_model_dir,
     validate_model_dir,
 )
 from engine.model_runner import ModelRunner
@@ -39,7 +39,7 @@ def test_default_model_converts_once_and_reads_as_smollm2(smollm2_dir: Path) -> 
     weights = smollm2_dir / "model.safetensors"
     mtime = weights.stat().st_mtime_ns
     started = time.monotonic()
-    again = resolve_model("default", smollm2_dir.parent.parent)
+    again = resolve_model_dir("default", smollm2_dir.parent.parent)
     assert again == smollm2_dir
     assert time.monotonic() - started < 1.0
     assert weights.stat().st_mtime_ns == mtime
@@ -80,7 +80,7 @@ def test_conversion_runs_once_and_lands_by_rename(tmp_path: Path, monkeypatch) -
     calls: list[Path] = []
     monkeypatch.setattr(model_loader, "_convert_bundled_gguf", _fake_conversion(calls))
     first = ensure_default_model(tmp_path)
-    second = resolve_model("default", tmp_path)
+    second = resolve_model_dir("default", tmp_path)
     assert first == second == tmp_path / "models" / DEFAULT_MODEL_NAME
     assert len(calls) == 1
     assert calls[0].parent == tmp_path / "models" and calls[0] != first  # a temp dir
@@ -118,12 +118,12 @@ def test_missing_bundled_package_is_named(tmp_path: Path, monkeypatch) -> None:
 
 
 def test_resolve_local_paths(tmp_path: Path) -> None:
-    assert resolve_model(str(tmp_path), tmp_path / "data") == tmp_path
+    assert resolve_model_dir(str(tmp_path), tmp_path / "data") == tmp_path
     with pytest.raises(ModelLoadError, match="does not exist"):
-        resolve_model(str(tmp_path / "nope"), tmp_path)
+        resolve_model_dir(str(tmp_path / "nope"), tmp_path)
     (tmp_path / "file").write_text("x")
     with pytest.raises(ModelLoadError, match="is not a directory"):
-        resolve_model(str(tmp_path / "file"), tmp_path)
+        resolve_model_dir(str(tmp_path / "file"), tmp_path)
 
 
 # ---------------------------------------------------------------------------- broken dirs

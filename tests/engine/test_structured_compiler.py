@@ -338,9 +338,9 @@ def test_deep_chains_at_the_size_limit_compile_in_the_workers() -> None:
             assert matcher.error is None
             print(make.__name__, levels, "ok", flush=True)
     """)
-    from engine.model_loader import resolve_model
+    from engine.model_loader import resolve_model_dir
 
-    model = resolve_model("default", REPO / "var")
+    model = resolve_model_dir("default", REPO / "var")
     done = subprocess.run([sys.executable, "-c", script, str(model)], capture_output=True,
                           text=True, timeout=300, cwd=REPO)
     assert done.returncode == 0, done.stderr[-2000:]

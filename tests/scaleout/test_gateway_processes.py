@@ -17,7 +17,7 @@ import redis.asyncio as aioredis
 from sqlalchemy import func, select
 
 from app.db import make_engine, session_factory, session_scope
-from app.models import Adapter, AdapterVersion
+from app.tables import Adapter, AdapterVersion
 from engine.client import WORKER_HEADER
 from engine.remote.heartbeat import HeartbeatPublisher, make_identity
 from engine.remote.worker_app import create_worker_app

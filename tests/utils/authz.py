@@ -24,6 +24,7 @@ from fastapi import FastAPI
 from fastapi.routing import iter_route_contexts
 from starlette.routing import BaseRoute, Mount
 
+from admin_ui import MOUNT
 from admin_ui.sessions import CSRF_HEADER, SESSION_COOKIE
 from admin_ui.throttle import LoginThrottle
 from app.core.config import Settings
@@ -355,7 +356,7 @@ def built_world(root: Path) -> Iterator[World]:
         data_dir=root / "data", database_url=f"sqlite:///{root / 'db.sqlite'}",
         admin_key=ADMIN_KEY, secret_key=SECRET_KEY, usage_flush_interval_s=0.05,
     )
-    app = create_app(engine, settings)
+    app = create_app(engine, settings, mounts=[MOUNT])
     # NOTE: the matrix posts many refused logins from one address; the throttle has
     # tests of its own (tests/admin_ui/test_auth_http.py).
     app.state.admin_ui.throttle = LoginThrottle(max_failures=10**9)

@@ -16,7 +16,7 @@ from sqlalchemy import ColumnElement, select
 from app.core.config import Settings
 from app.db import make_engine, session_factory
 from app.main import create_app
-from app.models import UsageRecord
+from app.tables import UsageRecord
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from tests.utils.live_server import serve_in_thread

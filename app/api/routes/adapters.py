@@ -31,7 +31,6 @@ from app.api.schemas.adapters import (
 from app.api.state import AppState, AppStateDep
 from app.audit import AuditContext
 from app.core.principal import Principal
-from app.models import Scope
 from app.registry.service import AdapterRegistry
 from app.registry.upload_form import (
     FORM_OVERHEAD_BYTES,
@@ -41,6 +40,7 @@ from app.registry.upload_form import (
     read_upload_form,
 )
 from app.registry.views import SHARED_OWNER, VersionView
+from app.tables import Scope
 
 ADMIN_ADAPTERS = "/admin/adapters"
 TENANT_ADAPTERS = "/v1/adapters"

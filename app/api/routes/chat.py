@@ -7,20 +7,20 @@ import asyncio
 from fastapi import APIRouter, Request, Response
 
 from app.api.deps import ServingPrincipal
-from app.api.generation import serve_generation
+from app.api.openai.generation import serve_generation
+from app.api.openai.planning import plan_chat, read_body
+from app.api.openai.protocol import (
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+)
+from app.api.openai.rendering import ChatRenderer
 from app.api.openapi import (
     act_for_tenant_parameter,
     error_responses,
     event_stream,
     request_body,
 )
-from app.api.protocol import (
-    ChatCompletionChunk,
-    ChatCompletionRequest,
-    ChatCompletionResponse,
-)
-from app.api.rendering import ChatRenderer
-from app.api.serving import plan_chat, read_body
 from app.api.state import AppStateDep
 
 router = APIRouter(tags=["chat"])

@@ -7,16 +7,16 @@ import asyncio
 from fastapi import APIRouter, Request, Response
 
 from app.api.deps import ServingPrincipal
-from app.api.generation import serve_generation
+from app.api.openai.generation import serve_generation
+from app.api.openai.planning import plan_completion, read_body
+from app.api.openai.protocol import CompletionRequest, CompletionResponse
+from app.api.openai.rendering import CompletionRenderer
 from app.api.openapi import (
     act_for_tenant_parameter,
     error_responses,
     event_stream,
     request_body,
 )
-from app.api.protocol import CompletionRequest, CompletionResponse
-from app.api.rendering import CompletionRenderer
-from app.api.serving import plan_completion, read_body
 from app.api.state import AppStateDep
 
 router = APIRouter(tags=["completions"])

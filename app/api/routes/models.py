@@ -7,9 +7,9 @@ from fastapi import APIRouter
 
 from app.api.deps import ServingPrincipal
 from app.api.errors import model_not_found
+from app.api.openai.planning import preloaded_adapters, resolve_target
+from app.api.openai.protocol import ModelCard, ModelList
 from app.api.openapi import act_for_tenant_parameter, error_responses
-from app.api.protocol import ModelCard, ModelList
-from app.api.serving import preloaded_adapters, resolve_model
 from app.api.state import AppState, AppStateDep
 
 router = APIRouter(tags=["models"])
@@ -58,7 +58,7 @@ async def retrieve_model(
 ) -> ModelCard:
     """Any model id that `model` of a generation request accepts, as `/v1/models` lists
     it (an adapter's `name@version` too); 404 `model_not_found` for any other."""
-    target = resolve_model(state, principal, model_id)
+    target = resolve_target(state, principal, model_id)
     if target.engine_adapter is None:
         return _base_card(state)
     if target.ref is not None:

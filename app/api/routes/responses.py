@@ -7,17 +7,17 @@ import asyncio
 from fastapi import APIRouter, Request, Response
 
 from app.api.deps import ServingPrincipal
-from app.api.generation import serve_generation
+from app.api.openai.generation import serve_generation
+from app.api.openai.planning import read_body
+from app.api.openai.planning_responses import plan_response
+from app.api.openai.protocol_responses import ResponseObject, ResponsesRequest, ResponseStreamEvent
+from app.api.openai.rendering_responses import ResponsesRenderer
 from app.api.openapi import (
     act_for_tenant_parameter,
     error_responses,
     event_stream,
     request_body,
 )
-from app.api.protocol_responses import ResponseObject, ResponsesRequest, ResponseStreamEvent
-from app.api.rendering_responses import ResponsesRenderer
-from app.api.responses_plan import plan_response
-from app.api.serving import read_body
 from app.api.state import AppStateDep
 
 router = APIRouter(tags=["responses"])

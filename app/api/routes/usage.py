@@ -29,7 +29,7 @@ from app.metering.reports import (
     usage_report,
     usage_totals,
 )
-from app.models import Tenant, utcnow
+from app.tables import Tenant, utcnow
 
 router = APIRouter(tags=["usage"])
 

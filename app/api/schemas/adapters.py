@@ -9,8 +9,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 
-from app.models import AdapterStatus
 from app.registry.views import AdapterView, VersionView
+from app.tables import AdapterStatus
 
 
 def _unix(value: datetime) -> int:

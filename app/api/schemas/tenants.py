@@ -13,7 +13,7 @@ from typing import Annotated, Any, Generic, Literal, TypeVar
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field
 
 from app.core.principal import Quotas
-from app.models import ApiKey, AuditLog, Isolation, Scope, Tenant, Tier
+from app.tables import ApiKey, AuditLog, Isolation, Scope, Tenant, Tier
 from app.tenants import tenant_quotas
 
 _INT32_MAX = 2**31 - 1

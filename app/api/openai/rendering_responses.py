@@ -14,11 +14,11 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from app.api.choices import ChoiceResult
 from app.api.errors import APIError
-from app.api.plan import GenerationPlan
-from app.api.protocol import DeltaMessage, ToolCall, UsageInfo
-from app.api.protocol_responses import (
+from app.api.openai.choices import ChoiceResult
+from app.api.openai.plan import GenerationPlan
+from app.api.openai.protocol import DeltaMessage, ToolCall, UsageInfo
+from app.api.openai.protocol_responses import (
     FunctionCallOutput,
     IncompleteDetails,
     InputTokensDetails,
@@ -31,7 +31,7 @@ from app.api.protocol_responses import (
     TextConfig,
     TextFormat,
 )
-from app.api.tool_calls import ToolCallStreamParser, parse_tool_calls
+from app.api.openai.tool_calls import ToolCallStreamParser, parse_tool_calls
 from engine.request import RequestOutput
 
 

@@ -1,7 +1,7 @@
 """Wire models of the OpenAI-compatible API: requests, responses, stream chunks, errors.
 
 A field's range is written once, here, as `documented(...)` JSON-schema keywords: the
-OpenAPI document shows them and `app/api/serving.py` enforces them (`bounds_of`), so
+OpenAPI document shows them and `app/api/openai/planning.py` enforces them (`bounds_of`), so
 that every bad value gets OpenAI's error body with the exact `param` and `code` instead
 of a generic validation message.
 """
@@ -435,14 +435,3 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
-
-
-class ErrorInfo(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorInfo

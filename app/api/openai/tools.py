@@ -2,14 +2,14 @@
 constraint its `tool_choice` asks for.
 
 Every model is asked to call functions in one format, Hermes-style blocks, so that one
-parser (`app/api/tool_calls.py`) reads every model's calls:
+parser (`app/api/openai/tool_calls.py`) reads every model's calls:
 
     <tool_call>
     {"name": "get_weather", "arguments": {"city": "Paris"}}
     </tool_call>
 
 Templates that know tools (Qwen2.5, Qwen3...) teach it themselves; for the others
-`app/api/tool_prompt.py` writes it into the system message. `tool_constraint` turns
+`app/api/openai/tool_prompt.py` writes it into the system message. `tool_constraint` turns
 `tool_choice` into a grammar over that format:
 
 - `none`: no constraint, and the tools are not shown to the model (OpenAI's semantics);
@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from app.api.errors import APIError, invalid_request
-from app.api.protocol import ChatTool, FunctionDefinition, NamedToolChoice, ToolChoice
+from app.api.openai.protocol import ChatTool, FunctionDefinition, NamedToolChoice, ToolChoice
 from engine.structured import OutputKind, StructuredLimits, StructuredOutput
 from engine.structured.limits import whitespace_pattern
 

@@ -2,7 +2,7 @@
 object, and the events of its stream.
 
 Served statelessly: nothing is stored, so `store` is answered false and a
-`previous_response_id` is refused. Ranges are documented as in app/api/protocol.py and
+`previous_response_id` is refused. Ranges are documented as in app/api/openai/protocol.py and
 enforced by the chat planning the request is translated into.
 """
 
@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
-from app.api.protocol import MaxTokens, Temperature, TopP, documented
+from app.api.openai.protocol import MaxTokens, Temperature, TopP, documented
 
 
 class _Lenient(BaseModel):

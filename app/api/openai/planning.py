@@ -15,18 +15,18 @@ from pydantic import BaseModel, ValidationError
 
 from app.api.engine_errors import rejected
 from app.api.errors import APIError, invalid_request, model_not_found, overloaded, validation_error
-from app.api.plan import GenerationPlan, ModelTarget
-from app.api.protocol import (
+from app.api.openai.plan import GenerationPlan, ModelTarget
+from app.api.openai.protocol import (
     MAX_CHOICES,
     ChatCompletionRequest,
     CompletionRequest,
     GenerationFields,
     bounds_of,
 )
+from app.api.openai.structured import check_structured_output, structured_output_of
+from app.api.openai.tool_prompt import chat_template_messages
+from app.api.openai.tools import NO_TOOLS, ToolPlan, tool_constraint, tool_plan
 from app.api.state import AppState
-from app.api.structured import check_structured_output, structured_output_of
-from app.api.tool_prompt import chat_template_messages
-from app.api.tools import NO_TOOLS, ToolPlan, tool_constraint, tool_plan
 from app.core.principal import REGISTRY_ENGINE_PREFIX, Principal
 from engine.client import EngineClient
 from engine.errors import RequestRejected
@@ -103,7 +103,7 @@ def check_admission(state: AppState, num_requests: int) -> None:
         )
 
 
-def resolve_model(state: AppState, principal: Principal, model: str) -> ModelTarget:
+def resolve_target(state: AppState, principal: Principal, model: str) -> ModelTarget:
     """The base model, one of the caller's (or the shared) registry adapters, or an adapter
     preloaded with `--lora`; 404 `model_not_found` for anything else, including other
     tenants' adapters. An admin acting for a tenant sees that tenant's adapters."""
@@ -308,7 +308,7 @@ def plan_completion(
     if body.best_of is not None and body.best_of != (body.n or 1):
         raise _refuse_unsupported("best_of", "'best_of' other than 'n' is not supported.")
     stop = _check_common(body, state.settings.max_stop_sequences)
-    target = resolve_model(state, principal, body.model)
+    target = resolve_target(state, principal, body.model)
     batch = _prompt_batch(body.prompt)
     prompts = _completion_prompts(state.engine, batch, body.n or 1)
     structured = _checked_constraint(state, structured_output_of(body))
@@ -378,7 +378,7 @@ def plan_chat(
     prompt = chat_template_messages(
         body.messages, tools, template_has_tools=state.engine.chat_template_has_tools
     )
-    target = resolve_model(state, principal, body.model)
+    target = resolve_target(state, principal, body.model)
     try:
         prompt_token_ids = state.engine.apply_chat_template(prompt.messages, tools=prompt.tools)
     except ValueError as exc:

@@ -1,6 +1,6 @@
 """Reading the model's tool calls out of its text, whole or as it streams.
 
-The model writes calls as Hermes-style blocks (see `app/api/tools.py`):
+The model writes calls as Hermes-style blocks (see `app/api/openai/tools.py`):
 
     <tool_call>
     {"name": "get_weather", "arguments": {"city": "Paris"}}
@@ -35,14 +35,14 @@ import secrets
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from app.api.protocol import (
+from app.api.openai.protocol import (
     DeltaFunction,
     DeltaMessage,
     DeltaToolCall,
     ToolCall,
     ToolCallFunction,
 )
-from app.api.tools import CALL_CLOSE, CALL_OPEN, ToolPlan
+from app.api.openai.tools import CALL_CLOSE, CALL_OPEN, ToolPlan
 
 _WHITESPACE = " \t\n\r"  # JSON's
 _NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")

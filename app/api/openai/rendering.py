@@ -1,7 +1,7 @@
 """Engine outputs as OpenAI responses: whole objects and SSE chunk streams.
 
 Rendering is a pure function of the plan and what the engine produced; running the engine
-and accounting for the request are app/api/generation.py's.
+and accounting for the request are app/api/openai/generation.py's.
 """
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from typing import Protocol
 
 from pydantic import BaseModel
 
-from app.api.choices import ChoiceResult
 from app.api.errors import APIError
-from app.api.plan import GenerationPlan
-from app.api.protocol import (
+from app.api.openai.choices import ChoiceResult
+from app.api.openai.plan import GenerationPlan
+from app.api.openai.protocol import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
@@ -30,8 +30,8 @@ from app.api.protocol import (
     TopLogprob,
     UsageInfo,
 )
-from app.api.streaming import SSE_DONE, sse_error, sse_event
-from app.api.tool_calls import ToolCallStreamParser, parse_tool_calls
+from app.api.openai.streaming import SSE_DONE, sse_error, sse_event
+from app.api.openai.tool_calls import ToolCallStreamParser, parse_tool_calls
 from engine.request import RequestOutput, TokenLogprob
 
 # The text of one vocabulary token on its own (the engine's `token_text`).

@@ -6,8 +6,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from app.api.plan import GenerationPlan
-from app.api.protocol import PromptTokensDetails, UsageInfo
+from app.api.openai.plan import GenerationPlan
+from app.api.openai.protocol import PromptTokensDetails, UsageInfo
 from engine.request import RequestOutput, TokenLogprob
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from app.api.errors import APIError, invalid_request
-from app.api.protocol import ConstrainedFields, ResponseFormat, StructuredOutputs
+from app.api.openai.protocol import ConstrainedFields, ResponseFormat, StructuredOutputs
 from engine.client import EngineClient
 from engine.structured import StructuredOutput, StructuredOutputError
 

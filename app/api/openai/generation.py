@@ -10,16 +10,16 @@ from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from starlette.requests import Request
 from starlette.responses import Response
 
-from app.api.accounting import RequestAccount, open_account
-from app.api.choices import ChoiceResult, new_results, usage_of
 from app.api.engine_errors import aborted_by_server, api_error_of, generation_timeout, no_worker
 from app.api.errors import APIError
-from app.api.plan import GenerationPlan
-from app.api.rendering import Renderer
-from app.api.serving import check_admission
+from app.api.openai.accounting import RequestAccount, open_account
+from app.api.openai.choices import ChoiceResult, new_results, usage_of
+from app.api.openai.plan import GenerationPlan
+from app.api.openai.planning import check_admission
+from app.api.openai.rendering import Renderer
+from app.api.openai.streaming import CLIENT_CLOSED_REQUEST, EventStreamResponse, unless_disconnected
 from app.api.state import AppState
-from app.api.streaming import CLIENT_CLOSED_REQUEST, EventStreamResponse, unless_disconnected
-from app.models import UsageStatus
+from app.tables import UsageStatus
 from engine.client import WORKER_HEADER, EngineClient, Route
 from engine.errors import NoWorkerAvailable
 from engine.request import EngineRequest, RequestOutput

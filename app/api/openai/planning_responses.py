@@ -12,16 +12,16 @@ from typing import Any
 from pydantic import ValidationError
 
 from app.api.errors import APIError, invalid_request, validation_error
-from app.api.plan import GenerationPlan
-from app.api.protocol import ChatCompletionRequest
-from app.api.protocol_responses import (
+from app.api.openai.plan import GenerationPlan
+from app.api.openai.planning import plan_chat
+from app.api.openai.protocol import ChatCompletionRequest
+from app.api.openai.protocol_responses import (
     FunctionCallInput,
     FunctionCallOutputInput,
     InputMessage,
     InputText,
     ResponsesRequest,
 )
-from app.api.serving import plan_chat
 from app.api.state import AppState
 from app.core.principal import Principal
 

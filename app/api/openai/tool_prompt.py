@@ -27,8 +27,8 @@ import jinja2
 import jinja2.meta
 
 from app.api.errors import invalid_request
-from app.api.protocol import ChatMessage, FunctionDefinition, ToolCall
-from app.api.tools import CALL_CLOSE, CALL_OPEN, ToolPlan
+from app.api.openai.protocol import ChatMessage, FunctionDefinition, ToolCall
+from app.api.openai.tools import CALL_CLOSE, CALL_OPEN, ToolPlan
 
 TOOLS_PROMPT = """\
 # Tools

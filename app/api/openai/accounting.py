@@ -11,14 +11,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
-from app.api.choices import ChoiceResult, usage_of
 from app.api.errors import SERVER_ERROR, APIError
-from app.api.plan import GenerationPlan
-from app.api.protocol import UsageInfo
+from app.api.openai.choices import ChoiceResult, usage_of
+from app.api.openai.plan import GenerationPlan
+from app.api.openai.protocol import UsageInfo
 from app.api.state import AppState
 from app.metering.recorder import UsageEvent
-from app.models import UsageStatus
 from app.quotas import Admission, QuotaExceeded, QuotaUnavailable
+from app.tables import UsageStatus
 
 logger = logging.getLogger(__name__)
 

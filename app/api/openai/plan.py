@@ -1,13 +1,13 @@
 """A generation request ready for the engine: an immutable value built once by planning
-(app/api/serving.py) and read by admission, accounting, the engine run and rendering."""
+(app/api/openai/planning.py) and read by admission, accounting, the engine run and rendering."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from app.api.tools import NO_TOOLS, ToolPlan
+from app.api.openai.tools import NO_TOOLS, ToolPlan
 from app.core.principal import AdapterRef, Principal
-from app.models import Isolation
+from app.tables import Isolation
 from engine.client import RouteHint
 from engine.request import EngineRequest, SamplingParams, TenantContext
 
