@@ -29,7 +29,7 @@ from app.server_options import (
 )
 from engine.client import EngineClient
 from engine.config import EngineConfig
-from engine.host_memory import share_one_heap
+from engine.runtime.host_memory import share_one_heap
 
 logger = logging.getLogger("loraplex")
 
@@ -78,7 +78,7 @@ async def serve_engine(
 def main() -> None:
     """loraplex: one base model, many LoRA adapters, an OpenAI-compatible API."""
     # As early as the command can: threads started from here on allocate from the main
-    # heap (engine/host_memory.py). AsyncEngine asks again, for programs that start it
+    # heap (engine/runtime/host_memory.py). AsyncEngine asks again, for programs that start it
     # without this command.
     share_one_heap()
 

@@ -62,9 +62,7 @@ def plan(
     and the tenants that fit nowhere with the reason.
     """
     # Imported here: the planner reads model configs through the engine (torch).
-    from engine.config import default_data_dir
-    from engine.model_loader import ModelLoadError
-    from engine.placement import (
+    from app.placement import (
         PlacementInputError,
         PlanOptions,
         WorkerShape,
@@ -73,7 +71,9 @@ def plan(
         load_topology,
         planning_model_config,
     )
-    from engine.placement import plan as make_plan
+    from app.placement import plan as make_plan
+    from engine.config import default_data_dir
+    from engine.models.loader import ModelLoadError
 
     try:
         shape = WorkerShape(dtype=dtype, max_loras=max_loras, max_lora_rank=max_lora_rank,

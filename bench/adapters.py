@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from engine.model_loader import ModelConfig
+from engine.models.loader import ModelConfig
 from engine.models.registry import model_class_for
 
 # Llama-family module names (Llama, Mistral, Qwen2, Qwen3).

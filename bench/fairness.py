@@ -43,7 +43,7 @@ from bench.workload import (
     percentile,
 )
 from engine.config import default_data_dir
-from engine.model_loader import load_model_config, resolve_model_dir
+from engine.models.loader import load_model_config, resolve_model_dir
 
 # scenario -> (flood tenant's tier, probe tenant's tier)
 SCENARIOS: dict[str, tuple[str, str]] = {

@@ -147,7 +147,7 @@ def serve_main() -> None:
     from app.core.config import Settings
     from app.main import create_app
     from app.server_options import serve_app
-    from engine.fake import FakeEngine
+    from engine.testing import FakeEngine
 
     engine = FakeEngine.instant_engine()
     settings = Settings()

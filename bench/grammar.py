@@ -37,7 +37,7 @@ from bench.grammar_driver import BatchRun, DriveOptions, Driver, Stats
 from bench.grammar_hostile import HostileResult, run_hostile
 from bench.throughput import machine_description
 from engine.config import default_data_dir
-from engine.model_loader import load_model_config, resolve_model_dir
+from engine.models.loader import load_model_config, resolve_model_dir
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 LIBRARIES = ("xgrammar", "llguidance")

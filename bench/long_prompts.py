@@ -32,7 +32,7 @@ from bench.server import engine_counters, running_server
 from bench.throughput import model_name, print_row, report_header, write_report
 from bench.workload import BenchRequest, RequestTiming, _one_stream, make_requests, percentile
 from engine.config import default_data_dir
-from engine.model_loader import load_model_config, resolve_model_dir
+from engine.models.loader import load_model_config, resolve_model_dir
 
 SETTINGS: dict[str, list[str]] = {
     # No chunked prefill either: a step takes a whole 8k prompt (the flags given last win).

@@ -27,7 +27,7 @@ from bench.throughput import (
 )
 from bench.workload import BenchRequest, LoadResult, make_requests, percentile, run_load
 from engine.config import EngineConfig, default_data_dir
-from engine.model_loader import ModelConfig, load_model_config, resolve_model_dir
+from engine.models.loader import ModelConfig, load_model_config, resolve_model_dir
 
 TARGET_SETS: dict[str, tuple[str, ...]] = {
     "qv": ("q_proj", "v_proj"),
@@ -276,7 +276,7 @@ def _step_time(core: Any, requests: list[Any]) -> tuple[float, int]:
 def run_overhead(opts: LoRABenchOptions) -> dict[str, Any]:
     """The same requests on the base model and all on one adapter, in one in-process
     engine (no HTTP): mean step time of each, best of `repeats` alternating rounds."""
-    from engine.engine_core import EngineCore
+    from engine.core.engine_core import EngineCore
     from engine.request import EngineRequest, SamplingParams
 
     model_dir, config = _model(opts)
@@ -333,7 +333,7 @@ def run_cold_load(opts: LoRABenchOptions, *, loads: int = 20) -> dict[str, Any]:
     """An adapter from disk to ready: read + validate + host copy (add_adapter), then the
     device-slot install its first request pays; PEFT's `load_adapter` of the same files
     on the same machine is the baseline."""
-    from engine.engine_core import EngineCore
+    from engine.core.engine_core import EngineCore
     from engine.request import EngineRequest, SamplingParams
 
     model_dir, config = _model(opts)

@@ -32,8 +32,8 @@ import torch
 
 from bench.throughput import machine_description, print_row
 from engine.config import EngineConfig, default_data_dir
-from engine.model_loader import load_model_config, resolve_model_dir
-from engine.model_runner import dtype_name
+from engine.core.model_runner import dtype_name
+from engine.models.loader import load_model_config, resolve_model_dir
 
 
 @dataclass(slots=True)
@@ -128,8 +128,8 @@ def _scoped(core: Any) -> Iterator[None]:
     """Wrap the engine's parts in profiler scopes (instance and module attributes),
     restoring them afterwards."""
     import engine.models.llama as llama
+    from engine.core.model_runner import ModelRunner
     from engine.lora.layers import LoRAGroup
-    from engine.model_runner import ModelRunner
 
     def scope(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def wrapped(*args: Any, **kwargs: Any) -> Any:
@@ -332,7 +332,7 @@ def _gflops(flops: float, seconds: float | None) -> float:
 
 def run_roofline(opts: RooflineOptions) -> dict[str, Any]:
     from bench.lora import make_adapters
-    from engine.engine_core import EngineCore
+    from engine.core.engine_core import EngineCore
 
     model_dir = resolve_model_dir(opts.model, default_data_dir())
     mc = load_model_config(model_dir)

@@ -19,7 +19,7 @@ from bench.serve_options import ServeOptions
 from bench.server import free_port, stop, wait_ready
 from bench.throughput import model_name
 from engine.config import default_data_dir
-from engine.model_loader import ModelLoadError, load_model_config, resolve_model_dir
+from engine.models.loader import ModelLoadError, load_model_config, resolve_model_dir
 
 ADAPTER_RANK = 16
 ADAPTER_TARGETS = "attention"

@@ -46,7 +46,7 @@ from bench.soak_traffic import TENANT_MAX_TOKENS, Outcome, Traffic, TrafficShape
 from bench.throughput import machine_description
 from bench.workload import median, percentile
 from engine.config import default_data_dir
-from engine.model_loader import load_model_config, resolve_model_dir
+from engine.models.loader import load_model_config, resolve_model_dir
 
 DEFAULT_KV_CACHE_TOKENS = 8192
 _ENV_DROP = ("DATABASE_URL", "REDIS_URL", "LORAPLEX_NO_AUTH", "LORAPLEX_DATA_DIR")
@@ -64,7 +64,7 @@ class SoakOptions:
     cut_max_tokens: int = 64
     upload_interval_s: float = 15.0
     adapter_rank: int = 4
-    # NOTE: the engine keeps its peak step footprint in the heap (engine/host_memory.py)
+    # NOTE: the engine keeps its peak step footprint in the heap (engine/runtime/host_memory.py)
     # and the allocator fragments: on SmolLM2 on the CPU RSS rises ~300 MiB in the first
     # minutes of this load, more slowly all the time; a leak keeps rising, which the
     # second-half check catches.

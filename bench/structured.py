@@ -45,7 +45,7 @@ from bench.structured_load import (
 from bench.structured_validity import Validity, run_validity, validity_adapters
 from bench.throughput import machine_description
 from engine.config import default_data_dir
-from engine.model_loader import load_model_config, resolve_model_dir
+from engine.models.loader import load_model_config, resolve_model_dir
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 TPOT_TARGET = 1.15  # constrained / free TPOT p50 the feature is held to

@@ -23,7 +23,7 @@ from bench.hf_baseline import HFResult, load_hf_model, run_one_at_a_time, run_st
 from bench.server import ProcessMemory, running_server
 from bench.workload import BenchRequest, LoadResult, make_requests, run_load
 from engine.config import default_data_dir
-from engine.model_loader import load_model_config, resolve_model_dir
+from engine.models.loader import load_model_config, resolve_model_dir
 
 
 @dataclass(slots=True)

@@ -23,15 +23,15 @@ from engine.client import (
     local_worker,
 )
 from engine.config import EngineConfig
-from engine.engine_core import EngineCore
+from engine.core.engine_core import EngineCore
+from engine.core.model_runner import dtype_name
 from engine.errors import EngineDeadError
-from engine.host_memory import share_one_heap
-from engine.model_loader import ModelConfig
-from engine.model_runner import dtype_name
+from engine.models.loader import ModelConfig
 from engine.models.registry import model_class_for
 from engine.request import EngineRequest, RequestOutput, TenantContext
+from engine.runtime.host_memory import share_one_heap
+from engine.runtime.threads import single_core_executor
 from engine.structured import CompiledGrammar, GrammarCompiler, StructuredOutput
-from engine.threads import single_core_executor
 
 log = logging.getLogger("loraplex.engine")
 
@@ -70,7 +70,7 @@ class AsyncEngine:
         self._stopping = False
         self._failure: str | None = None  # why the engine stopped serving for good
         # Adapter directories are read and checked here: off the event loop and the step
-        # thread, with torch on one core (engine/threads.py).
+        # thread, with torch on one core (engine/runtime/threads.py).
         self._adapter_reads = single_core_executor(2, "loraplex-adapter-read")
 
     # -- lifecycle ---------------------------------------------------------------------
@@ -100,7 +100,7 @@ class AsyncEngine:
         # more OpenMP threads than cores, libgomp stops spinning between parallel regions:
         # every small op of a step then waits for its team to be woken (a decode step
         # measured ~10% slower). Other threads' torch work runs on one core (see
-        # engine/threads.py).
+        # engine/runtime/threads.py).
         try:
             self._core = EngineCore(self.config, wakeup=self._wake)
         except BaseException as exc:

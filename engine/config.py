@@ -24,11 +24,11 @@ class EngineConfig:
     model: str = "default"  # "default" (bundled SmolLM2) or a local HF directory
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     # auto | float32 | bfloat16 | float16; auto: bf16 on CUDA (fp16 where it lacks bf16) and
-    # on CPUs with AMX-BF16 or AVX-512 BF16 (engine/cpu_features.py), else float32.
+    # on CPUs with AMX-BF16 or AVX-512 BF16 (engine/runtime/cpu_features.py), else float32.
     dtype: str = field(default_factory=default_dtype)
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
-    # Long prompts (engine/scheduler.py, NOTE: long prefills): a prefill with more than
+    # Long prompts (engine/core/scheduler.py, NOTE: long prefills): a prefill with more than
     # long_prefill_token_threshold tokens still to compute is "long"; it gets at most that
     # many tokens of a step until every other request was served, then what is left.
     # None: a quarter of max_num_batched_tokens; 0: no cap. At most max_num_partial_prefills
@@ -63,7 +63,7 @@ class EngineConfig:
     )
     kernel_cache_dir: Path | None = field(default_factory=env_cache_dir)
     data_dir: Path | None = None  # None: LORAPLEX_DATA_DIR or ./var
-    # Order of waiting requests within a priority (see engine/fairness.py): "vtc" serves
+    # Order of waiting requests within a priority (see engine/core/fairness.py): "vtc" serves
     # the tenant with the least weighted service first; "fcfs" serves by arrival.
     fairness: Literal["vtc", "fcfs"] = "vtc"
     vtc_prompt_weight: float = 1.0  # VTC cost of one prompt token computed (w_p)

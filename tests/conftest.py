@@ -48,7 +48,7 @@ _ISOLATED = pytest.StashKey[Path]()
 def smollm2_dir() -> Path:
     """The converted SmolLM2-135M-Instruct directory (the GGUF conversion runs only once
     per checkout: about 20 s, then cached under var/models/)."""
-    from engine.model_loader import resolve_model_dir
+    from engine.models.loader import resolve_model_dir
 
     return resolve_model_dir("default", CACHE_DATA_DIR)
 

@@ -23,8 +23,8 @@ from app.demo.train import TrainingError
 from app.main import create_app
 from app.server_options import DrainingServer, installed_mounts, start_engine
 from engine.config import EngineConfig
-from engine.model_loader import resolve_model_dir
-from engine.threads import on_passing_thread
+from engine.models.loader import resolve_model_dir
+from engine.runtime.threads import on_passing_thread
 
 logger = logging.getLogger("loraplex.demo")
 
@@ -39,7 +39,7 @@ def prepare_adapters(
     """The bundled model converted (once) and the demo adapters trained on it (once)."""
     base_dir = resolve_model_dir("default", settings.data_dir)
     # NOTE: on a thread that ends with the training, so that its OpenMP team goes too
-    # and the engine's step thread is left the only one (engine/threads.py).
+    # and the engine's step thread is left the only one (engine/runtime/threads.py).
     trained = on_passing_thread(
         lambda: ensure_trained(DEMO_ADAPTERS, base_dir, demo_dir(settings) / "adapters",
                                echo=echo),

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from engine.model_loader import load_tokenizer
+from engine.models.loader import load_tokenizer
 
 logger = logging.getLogger("loraplex.demo")
 

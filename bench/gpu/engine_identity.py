@@ -22,8 +22,8 @@ from bench.gpu.models import build_random_model
 from bench.gpu.plans import IdentityPlan
 from bench.gpu.report import StepOutcome
 from bench.workload import BenchRequest, make_requests
-from engine.engine_core import EngineCore
-from engine.model_loader import load_model_config
+from engine.core.engine_core import EngineCore
+from engine.models.loader import load_model_config
 
 # Adapter scale: alpha = ALPHA_PER_RANK * r. bench/adapters.py draws B small ("a modest
 # effect"); scaled up, the adapters change greedy picks, or identity would prove little.

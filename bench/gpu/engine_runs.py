@@ -14,7 +14,7 @@ import torch
 
 from bench.workload import BenchRequest
 from engine.config import EngineConfig
-from engine.engine_core import EngineCore
+from engine.core.engine_core import EngineCore
 from engine.request import EngineRequest, SamplingParams
 
 
@@ -30,7 +30,7 @@ def make_core(
     data_dir: Path,
 ) -> EngineCore:
     """kv_cache_tokens None: the engine sizes its cache from the device (on CUDA a share of
-    the memory free after loading the weights, see engine/model_runner.py)."""
+    the memory free after loading the weights, see engine/core/model_runner.py)."""
     return EngineCore(
         EngineConfig(
             model=str(model_dir),

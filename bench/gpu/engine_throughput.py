@@ -25,8 +25,8 @@ from bench.gpu.plans import ThroughputPlan
 from bench.gpu.report import StepOutcome
 from bench.hf_baseline import HFResult, run_static_batches
 from bench.workload import BenchRequest, make_requests
-from engine.engine_core import EngineCore
-from engine.model_loader import load_model_config
+from engine.core.engine_core import EngineCore
+from engine.models.loader import load_model_config
 
 
 def _gib(num_bytes: float) -> float:

@@ -1,1 +1,2 @@
-"""Multi-LoRA: adapters from PEFT directories, their slot buffers and the adapter cache."""
+"""Multi-LoRA: the adapters one engine serves (manager), their versions, loading from PEFT
+directories, the adapter cache, and the slot buffers and weights the models apply."""

@@ -41,8 +41,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.lora.weights import LoRAWeights
+from engine.runtime.threads import single_core_executor
 from engine.stats import AdapterCacheStats, LatencyHistogram
-from engine.threads import single_core_executor
 
 # Upper bounds (seconds) of the load-latency histogram buckets; +Inf is added after them.
 LOAD_LATENCY_BOUNDS: tuple[float, ...] = (

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 from engine.lora.weights import AdapterError, LoRAModule, LoRAWeights
-from engine.model_loader import ModelConfig
 from engine.models.base import CausalLM, interleave_leading_rows
+from engine.models.loader import ModelConfig
 from engine.models.registry import model_class_for
 
 CONFIG_FILE = "adapter_config.json"

@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import AttentionMetadata, LayerKVCache
 from engine.lora.layers import LoRAGroup, LoRASlots
+from engine.models.attention import AttentionMetadata, LayerKVCache
 from engine.models.config import ArchFields, ModelConfig, ModelLoadError, switched_window
 from loraplex_kernels import reference as ref
 

@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import AttentionMetadata, LayerKVCache, paged_attention
 from engine.lora.layers import LoRAGroup
+from engine.models.attention import AttentionMetadata, LayerKVCache, paged_attention
 from engine.models.base import META, CausalLM, WeightTarget
 from engine.models.config import ArchFields, ModelConfig, switched_window, window_of
 from loraplex_kernels import cpu_ops

@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from engine.chat_template import render_chat_ids, template_has_tools
-from engine.detokenizer import IncrementalDetokenizer
-from engine.model_loader import ModelConfig, load_model_config, load_tokenizer, resolve_model_dir
+from engine.core.detokenizer import IncrementalDetokenizer
+from engine.models.loader import ModelConfig, load_model_config, load_tokenizer, resolve_model_dir
 from engine.structured import GrammarCompiler, StructuredOutput
 
 

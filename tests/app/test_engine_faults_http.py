@@ -23,8 +23,8 @@ import pytest
 
 from app.tables import UsageRecord
 from engine.async_engine import AsyncEngine
-from engine.faults import FAULTS_ENV
-from engine.request import SchedulerOutput
+from engine.core.faults import FAULTS_ENV
+from engine.core.state import SchedulerOutput
 from tests.utils.real_service import real_service, usage_rows
 from tests.utils.saas import bearer, create_key, create_tenant
 from tests.utils.tiny_models import random_prompt

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from engine.async_engine import AsyncEngine
-from engine.model_runner import describe_compute
+from engine.core.model_runner import describe_compute
 from tests.utils.hf_oracle import hf_greedy, peft_greedy
 from tests.utils.peft_adapters import make_peft_adapter
 from tests.utils.real_service import real_service

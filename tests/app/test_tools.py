@@ -27,7 +27,7 @@ from app.api.openai.tools import (
     tool_constraint,
     tool_plan,
 )
-from engine.model_loader import load_tokenizer
+from engine.models.loader import load_tokenizer
 from engine.structured import (
     CompiledGrammar,
     GrammarCompiler,

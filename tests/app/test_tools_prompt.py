@@ -22,7 +22,7 @@ from app.api.openai.tool_prompt import (
     tools_prompt,
 )
 from app.api.openai.tools import NO_TOOLS, tool_plan
-from engine.model_loader import load_tokenizer
+from engine.models.loader import load_tokenizer
 
 # A template in the Hermes style Qwen2.5 and Qwen3 use: tools listed in the system turn,
 # calls as <tool_call> blocks in the assistant turn, results as user turns in

@@ -11,7 +11,7 @@ import pytest
 from bench.adapters import write_random_adapter
 from bench.structured import StructuredOptions, StructuredReport, run_structured
 from bench.structured_cases import SCHEMA_CASES, TOOL_CASES, check_document, check_tool_calls
-from engine.model_loader import load_model_config
+from engine.models.loader import load_model_config
 
 pytestmark = pytest.mark.slow
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 
 from engine.client import WORKER_HEADER
-from engine.faults import FAULTS_ENV
+from engine.core.faults import FAULTS_ENV
 from tests.chaos.load import usage_rows
 from tests.utils.processes import (
     cli_process,

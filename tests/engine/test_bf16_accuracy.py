@@ -30,7 +30,7 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
-from engine.engine_core import EngineCore
+from engine.core.engine_core import EngineCore
 from engine.models.cpu_linear import packing_available
 from engine.request import EngineRequest, SamplingParams
 from tests.utils.bf16_oracle import Agreement, hf_logprobs

@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from engine.block_manager import BlockManager, block_key
-from engine.request import Request
+from engine.core.block_manager import BlockManager, block_key
+from engine.core.state import Request
 from tests.utils import factories
 
 

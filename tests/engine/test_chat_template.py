@@ -10,10 +10,10 @@ from types import SimpleNamespace
 import pytest
 
 from engine.chat_template import render_chat_ids, template_has_tools
-from engine.fake import FakeEngine
-from engine.model_loader import load_tokenizer
+from engine.models.loader import load_tokenizer
 from engine.remote.tokenizer import LocalTokenizer
 from engine.structured import INVALID_GRAMMAR, StructuredOutput, StructuredOutputError
+from engine.testing import FakeEngine
 
 TOOLS_TEMPLATE = (
     "{% if tools %}<tools>{% for t in tools %}{{ t.function.name }};{% endfor %}</tools>"

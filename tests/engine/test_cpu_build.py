@@ -103,7 +103,7 @@ def test_the_environment_gives_the_settings_their_defaults(
 
 @needs_cc
 def test_the_engine_config_switches_the_kernels(tiny_model_factory) -> None:
-    from engine.model_runner import ModelRunner
+    from engine.core.model_runner import ModelRunner
 
     before = cpu_build.current_settings()
     model_dir = tiny_model_factory("llama_gqa")

@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from engine.attention import AttentionMetadata, LayerKVCache, paged_attention
+from engine.models.attention import AttentionMetadata, LayerKVCache, paged_attention
 from loraplex_kernels import cpu_decode
 from loraplex_kernels import reference as ref
 

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import cpu_features
 from engine.config import EngineConfig
-from engine.cpu_features import CpuFeatures, auto_cpu_dtype, features_from_cpuinfo
-from engine.model_runner import ModelRunner, resolve_device_dtype
+from engine.core.model_runner import ModelRunner, resolve_device_dtype
+from engine.runtime import cpu_features
+from engine.runtime.cpu_features import CpuFeatures, auto_cpu_dtype, features_from_cpuinfo
 
 SAPPHIRE_RAPIDS = """processor\t: 0
 vendor_id\t: GenuineIntel
@@ -94,7 +94,7 @@ def test_the_runner_serves_and_reports_what_auto_picked(
     model_dir = tiny_model_factory("llama_gqa")
     config = EngineConfig(device="cpu", dtype="auto", kv_cache_tokens=256, max_loras=0)
     forced_cpu(HASWELL)
-    with caplog.at_level("INFO", logger="engine.model_runner"):
+    with caplog.at_level("INFO", logger="engine.core.model_runner"):
         runner = ModelRunner(config, model_dir)
     assert runner.dtype == torch.float32
     assert runner.model.embed_tokens.weight.dtype == torch.float32

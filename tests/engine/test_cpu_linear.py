@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.model_runner import decode_group_sizes
+from engine.core.model_runner import decode_group_sizes
 from engine.models.cpu_linear import PackedLinear, pack_linears, packing_available
 
 needs_packing = pytest.mark.skipif(

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from engine.detokenizer import IncrementalDetokenizer, TokenTexts
-from engine.model_loader import load_tokenizer, resolve_model_dir
+from engine.core.detokenizer import IncrementalDetokenizer, TokenTexts
+from engine.models.loader import load_tokenizer, resolve_model_dir
 
 REPO = Path(__file__).resolve().parents[2]
 CHAT_PROMPT = "<|im_start|>user\nSay something.<|im_end|>\n<|im_start|>assistant\n"

@@ -9,17 +9,11 @@ import pytest
 
 from engine.client import RequestRejected
 from engine.config import EngineConfig
-from engine.engine_core import EngineCore
-from engine.model_runner import decode_group_sizes
-from engine.output_processor import OutputProcessor
-from engine.request import (
-    EngineRequest,
-    Request,
-    RequestOutput,
-    RequestStatus,
-    SamplingParams,
-    TokenLogprob,
-)
+from engine.core.engine_core import EngineCore
+from engine.core.model_runner import decode_group_sizes
+from engine.core.output_processor import OutputProcessor
+from engine.core.state import Request, RequestStatus
+from engine.request import EngineRequest, RequestOutput, SamplingParams, TokenLogprob
 from tests.utils.hf_oracle import hf_greedy
 
 pytestmark = pytest.mark.slow

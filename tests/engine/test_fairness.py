@@ -10,19 +10,14 @@ from typing import Any
 
 import pytest
 
-from engine.block_manager import BlockManager
 from engine.client import RequestRejected
 from engine.config import EngineConfig
-from engine.engine_core import EngineCore
+from engine.core.block_manager import BlockManager
+from engine.core.engine_core import EngineCore
+from engine.core.scheduler import Scheduler
+from engine.core.state import Request, RequestStatus, SchedulerOutput
 from engine.limits import ContextLimits, resolve_max_tokens
-from engine.request import (
-    EngineRequest,
-    Request,
-    RequestStatus,
-    SchedulerOutput,
-    TenantContext,
-)
-from engine.scheduler import Scheduler
+from engine.request import EngineRequest, TenantContext
 from tests.engine.test_scheduler import _check_invariants, chunks, run_all, step
 from tests.utils import factories
 

@@ -9,9 +9,9 @@ import pytest
 
 from engine.client import RouteHint
 from engine.errors import AdapterError, RequestRejected
-from engine.fake import FILLER, FakeEngine, fake_logprob, fake_top
 from engine.request import EngineRequest, RequestOutput, SamplingParams
 from engine.structured import StructuredOutput
+from engine.testing import FILLER, FakeEngine, fake_logprob, fake_top
 
 
 async def run(engine: FakeEngine, request: EngineRequest) -> list[RequestOutput]:

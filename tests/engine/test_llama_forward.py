@@ -16,10 +16,11 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
-from engine.model_loader import parse_model_config
-from engine.model_runner import ModelRunner
+from engine.core.model_runner import ModelRunner
+from engine.core.state import Request, ScheduledChunk, SchedulerOutput
 from engine.models.llama import rope_inv_freq_for
-from engine.request import Request, SamplingParams, ScheduledChunk, SchedulerOutput
+from engine.models.loader import parse_model_config
+from engine.request import SamplingParams
 from loraplex_kernels import cpu_ops
 from loraplex_kernels import reference as ref
 from tests.utils.tiny_models import BASE_SETTINGS, VARIANTS, random_prompt

@@ -14,7 +14,7 @@ import torch
 
 from engine.client import RequestRejected
 from engine.config import EngineConfig
-from engine.engine_core import EngineCore
+from engine.core.engine_core import EngineCore
 from engine.lora.weights import AdapterError
 from engine.request import EngineRequest, SamplingParams
 from tests.utils.hf_oracle import hf_greedy, peft_greedy

@@ -15,20 +15,20 @@ import pytest
 import torch
 from torch import nn
 
-from engine.attention import allocate_kv_cache
 from engine.config import EngineConfig
-from engine.cpu_features import auto_cpu_dtype
-from engine.host_memory import IdleTrimmer, release_free_memory
-from engine.model_loader import load_model_config
-from engine.model_runner import ModelRunner, resolve_device_dtype
-from engine.models.cpu_linear import pack_linears, packing_available
-from engine.placement.memory import (
+from engine.core.memory import (
     CUDA_CONTEXT_BYTES,
     GIB,
     MemoryModel,
     WorkerShape,
     kv_cache_budget,
 )
+from engine.core.model_runner import ModelRunner, resolve_device_dtype
+from engine.models.attention import allocate_kv_cache
+from engine.models.cpu_linear import pack_linears, packing_available
+from engine.models.loader import load_model_config
+from engine.runtime.cpu_features import auto_cpu_dtype
+from engine.runtime.host_memory import IdleTrimmer, release_free_memory
 
 MODELS = Path(__file__).parents[1] / "fixtures" / "placement" / "models"
 MIB = 1 << 20

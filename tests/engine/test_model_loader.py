@@ -14,9 +14,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine import model_loader
 from engine.config import EngineConfig
-from engine.model_loader import (
+from engine.core.model_runner import ModelRunner
+from engine.models import loader as model_loader
+from engine.models.loader import (
     DEFAULT_MODEL_NAME,
     ModelLoadError,
     RopeScaling,
@@ -28,7 +29,6 @@ from engine.model_loader import (
     resolve_model_dir,
     validate_model_dir,
 )
-from engine.model_runner import ModelRunner
 from tests.utils.tiny_models import make_tiny_model
 
 # ---------------------------------------------------------------------------- bundled model
@@ -321,7 +321,7 @@ def test_bias_flags_per_architecture() -> None:
 
 
 def test_sliding_window_caps_model_len(caplog) -> None:
-    with caplog.at_level(logging.WARNING, logger="engine.model_loader"):
+    with caplog.at_level(logging.WARNING, logger="engine.models.loader"):
         cfg = parse_model_config({**_LLAMA, "model_type": "mistral", "sliding_window": 128})
     assert (cfg.sliding_window, cfg.max_model_len, cfg.max_position_embeddings) == (128, 128, 256)
     assert "sliding-window attention (window 128)" in caplog.text

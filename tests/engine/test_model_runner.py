@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
-from engine.cpu_features import auto_cpu_dtype
-from engine.model_runner import CPU_DEFAULT_KV_CACHE_TOKENS, ModelRunner, resolve_device_dtype
-from engine.request import Request, SamplingParams, ScheduledChunk, SchedulerOutput
+from engine.core.model_runner import CPU_DEFAULT_KV_CACHE_TOKENS, ModelRunner, resolve_device_dtype
+from engine.core.state import Request, ScheduledChunk, SchedulerOutput
+from engine.request import SamplingParams
+from engine.runtime.cpu_features import auto_cpu_dtype
 from tests.utils.tiny_models import random_prompt
 
 

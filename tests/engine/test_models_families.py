@@ -11,12 +11,13 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
+from engine.core.model_runner import ModelRunner
+from engine.core.state import Request, ScheduledChunk, SchedulerOutput
 from engine.lora.peft import load_peft_adapter
-from engine.model_runner import ModelRunner
 from engine.models.llama import LlamaDecoderLayer
 from engine.models.phi3 import Phi3ForCausalLM
 from engine.models.qwen3 import Qwen3ForCausalLM
-from engine.request import Request, SamplingParams, ScheduledChunk, SchedulerOutput
+from engine.request import SamplingParams
 from tests.utils.hf_oracle import hf_greedy, peft_greedy
 from tests.utils.peft_adapters import make_peft_adapter
 from tests.utils.tiny_models import random_prompt

@@ -12,15 +12,15 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from bench.adapters import write_random_adapter
 from engine.async_engine import max_adapter_bytes
+from engine.core.memory import adapter_slot_bytes, count_parameters
 from engine.lora.peft import load_peft_adapter
 from engine.lora.weights import AdapterError
-from engine.model_loader import ModelConfig, ModelLoadError, parse_model_config
 from engine.models import registry
 from engine.models.config import ArchFields
 from engine.models.llama import LlamaForCausalLM
+from engine.models.loader import ModelConfig, ModelLoadError, parse_model_config
 from engine.models.phi3 import Phi3ForCausalLM
 from engine.models.qwen3 import Qwen3ForCausalLM
-from engine.placement.memory import adapter_slot_bytes, count_parameters
 from tests.utils.peft_adapters import make_peft_adapter
 from tests.utils.tiny_models import BASE_SETTINGS, VARIANTS
 
@@ -153,7 +153,7 @@ def test_linear_shapes_match_the_transformers_modules(variant: str) -> None:
 
 
 def _phi3_cfg(tiny_model_factory: Callable[[str], Path]) -> tuple[Path, ModelConfig]:
-    from engine.model_loader import validate_model_dir
+    from engine.models.loader import validate_model_dir
 
     base = tiny_model_factory("phi3")
     return base, validate_model_dir(base)

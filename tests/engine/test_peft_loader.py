@@ -15,8 +15,8 @@ import torch
 
 from engine.lora.peft import load_peft_adapter
 from engine.lora.weights import AdapterError, LoRAWeights
-from engine.model_loader import ModelConfig, validate_model_dir
 from engine.models.llama import LlamaForCausalLM
+from engine.models.loader import ModelConfig, validate_model_dir
 from loraplex_kernels.reference import interleave_rope_rows
 from tests.utils.peft_adapters import (
     DEFAULT_RELATIVE_DELTA,

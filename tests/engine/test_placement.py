@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.model_loader import ModelConfig, load_model_config
-from engine.placement import (
+from app.placement import (
     MemoryModel,
     MigMode,
     Plan,
@@ -25,7 +24,8 @@ from engine.placement import (
     parse_topology,
     plan,
 )
-from engine.placement.memory import GIB
+from engine.core.memory import GIB
+from engine.models.loader import ModelConfig, load_model_config
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "placement"
 TOPOLOGIES = ("a100_80gb_7x1g", "h200_mixed", "no_mig", "mig_auto", "issue_example",

@@ -10,8 +10,7 @@ from typing import Any
 
 import pytest
 
-from engine.model_loader import DEFAULT_MODEL_NAME, ModelLoadError, load_model_config
-from engine.placement import (
+from app.placement import (
     GPU_MODELS,
     MigInstance,
     MigMode,
@@ -25,7 +24,8 @@ from engine.placement import (
     parse_topology,
     planning_model_config,
 )
-from engine.placement.profiles import UnknownGpuModel, place, resolve_gpu_model
+from app.placement.profiles import UnknownGpuModel, place, resolve_gpu_model
+from engine.models.loader import DEFAULT_MODEL_NAME, ModelLoadError, load_model_config
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "placement"
 

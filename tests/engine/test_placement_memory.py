@@ -8,10 +8,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from engine.attention import allocate_kv_cache
-from engine.lora.layers import LoRAGroup
-from engine.model_loader import load_model_config, parse_model_config
-from engine.placement.memory import (
+from engine.core.memory import (
     CUDA_CONTEXT_BYTES,
     GIB,
     MemoryModel,
@@ -20,6 +17,9 @@ from engine.placement.memory import (
     count_parameters,
     kv_bytes_per_token,
 )
+from engine.lora.layers import LoRAGroup
+from engine.models.attention import allocate_kv_cache
+from engine.models.loader import load_model_config, parse_model_config
 from tests.utils.tiny_models import BASE_SETTINGS, VARIANTS
 
 MODELS = Path(__file__).parents[1] / "fixtures" / "placement" / "models"

@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 import torch
 
-from engine.request import Request
-from engine.sampler import Sampler, _inverse_cdf, apply_penalties
+from engine.core.sampler import Sampler, _inverse_cdf, apply_penalties
+from engine.core.state import Request
 from tests.utils.factories import make_request
 
 

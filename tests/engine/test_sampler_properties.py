@@ -15,9 +15,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine import sampler as sampler_module
-from engine.request import GREEDY_TEMPERATURE, Request, SamplingParams
-from engine.sampler import MIN_LOGPROB, Sampler
+from engine.core import sampler as sampler_module
+from engine.core.sampler import MIN_LOGPROB, Sampler
+from engine.core.state import Request
+from engine.request import GREEDY_TEMPERATURE, SamplingParams
 
 VOCAB = 300  # more than one block of the two-level inverse CDF
 

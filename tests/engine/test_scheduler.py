@@ -7,10 +7,10 @@ from typing import Any
 
 import pytest
 
-from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.request import Request, RequestStatus, SchedulerOutput
-from engine.scheduler import Scheduler
+from engine.core.block_manager import BlockManager
+from engine.core.scheduler import Scheduler
+from engine.core.state import Request, RequestStatus, SchedulerOutput
 from tests.utils import factories
 
 

@@ -10,10 +10,11 @@ from typing import Any
 
 import pytest
 
-from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.request import Request, SchedulerOutput, TenantContext
-from engine.scheduler import Scheduler
+from engine.core.block_manager import BlockManager
+from engine.core.scheduler import Scheduler
+from engine.core.state import Request, SchedulerOutput
+from engine.request import TenantContext
 from tests.engine.test_scheduler import _check_invariants, chunks, run_all, step
 from tests.utils import factories
 

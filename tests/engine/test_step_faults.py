@@ -1,7 +1,7 @@
 """A failed engine step fails only the requests it failed on; a broken device is fatal.
 
 Faults are injected where real ones would surface: inside the model runner's forward
-(engine/faults.py, as `loraplex serve` reads it from LORAPLEX_FAULTS) and in sampling.
+(engine/core/faults.py, as `loraplex serve` reads it from LORAPLEX_FAULTS) and in sampling.
 """
 
 from __future__ import annotations
@@ -16,9 +16,10 @@ import pytest
 from engine.async_engine import AsyncEngine, EngineDeadError
 from engine.client import EngineStepError
 from engine.config import EngineConfig
-from engine.engine_core import EngineCore
-from engine.faults import FAULTS_ENV, FaultPlan
-from engine.request import EngineRequest, Request, RequestOutput, SamplingParams
+from engine.core.engine_core import EngineCore
+from engine.core.faults import FAULTS_ENV, FaultPlan
+from engine.core.state import Request
+from engine.request import EngineRequest, RequestOutput, SamplingParams
 from tests.utils.peft_adapters import make_peft_adapter
 from tests.utils.tiny_models import random_prompt
 

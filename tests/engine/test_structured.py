@@ -29,7 +29,7 @@ from bench.grammar_cases import (
     TOOL_CALL_SCHEMA,
     deep_schema,
 )
-from engine.model_loader import load_tokenizer
+from engine.models.loader import load_tokenizer
 from engine.structured import (
     CompiledGrammar,
     GrammarCompiler,

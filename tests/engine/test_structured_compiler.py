@@ -24,7 +24,7 @@ from bench.grammar_cases import (
     deep_schema_text,
     hostile_cases,
 )
-from engine.model_loader import load_tokenizer
+from engine.models.loader import load_tokenizer
 from engine.structured import (
     GRAMMAR_TIMEOUT,
     GRAMMAR_TOO_COMPLEX,
@@ -325,7 +325,7 @@ def test_deep_chains_at_the_size_limit_compile_in_the_workers() -> None:
     script = textwrap.dedent(f"""
         import json, sys
         sys.path.insert(0, {str(REPO)!r})
-        from engine.model_loader import load_tokenizer
+        from engine.models.loader import load_tokenizer
         from engine.structured import GrammarCompiler, StructuredOutput, TokenMasker
         from tests.engine.test_structured_compiler import _chain_schema, _lark_chain, _longest
         compiler = GrammarCompiler(load_tokenizer(sys.argv[1]), compile_timeout_s=60)
@@ -338,7 +338,7 @@ def test_deep_chains_at_the_size_limit_compile_in_the_workers() -> None:
             assert matcher.error is None
             print(make.__name__, levels, "ok", flush=True)
     """)
-    from engine.model_loader import resolve_model_dir
+    from engine.models.loader import resolve_model_dir
 
     model = resolve_model_dir("default", REPO / "var")
     done = subprocess.run([sys.executable, "-c", script, str(model)], capture_output=True,

@@ -19,11 +19,12 @@ import torch
 
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
-from engine.constrained import ConstrainedDecoding
-from engine.engine_core import EngineCore
+from engine.core.constrained import ConstrainedDecoding
+from engine.core.engine_core import EngineCore
+from engine.core.sampler import MIN_LOGPROB, Sampler, SampleResult
+from engine.core.state import Request, SchedulerOutput
 from engine.errors import EngineStepError
-from engine.request import EngineRequest, Request, SamplingParams, SchedulerOutput
-from engine.sampler import MIN_LOGPROB, Sampler, SampleResult
+from engine.request import EngineRequest, SamplingParams
 from engine.structured import (
     GRAMMAR_TOO_COMPLEX,
     INVALID_GRAMMAR,

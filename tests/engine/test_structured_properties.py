@@ -13,7 +13,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.model_loader import load_tokenizer
+from engine.models.loader import load_tokenizer
 from engine.structured import GrammarCompiler, StructuredOutput, Whitespace
 from tests.engine.test_structured import Decoder, schema_check
 

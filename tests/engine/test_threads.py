@@ -1,5 +1,5 @@
 """Threads and the CPU: the step thread is the process's only OpenMP team, and the step
-thread allocates from the main heap (engine/threads.py, engine/host_memory.py)."""
+thread allocates from the main heap (engine/runtime/threads.py, engine/runtime/host_memory.py)."""
 
 from __future__ import annotations
 
@@ -18,10 +18,10 @@ import torch
 from engine import async_engine
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
-from engine.engine_core import EngineCore
+from engine.core.engine_core import EngineCore
 from engine.lora.weights import LoRAWeights
-from engine.model_loader import ModelLoadError
-from engine.threads import on_passing_thread, single_core_executor, use_one_intraop_thread
+from engine.models.loader import ModelLoadError
+from engine.runtime.threads import on_passing_thread, single_core_executor, use_one_intraop_thread
 from tests.utils.peft_adapters import make_peft_adapter
 
 REPO = Path(__file__).resolve().parents[2]
@@ -76,7 +76,7 @@ def test_on_passing_thread_returns_raises_and_leaves_no_thread() -> None:
 # thread that ends (its OpenMP team goes with it) and on one that stays (its team stays).
 _TEAMS = """
 import os, sys, threading, torch
-from engine.threads import on_passing_thread
+from engine.runtime.threads import on_passing_thread
 torch.set_num_threads(2)
 def tasks(): return len(os.listdir("/proc/self/task"))
 def work(): torch.randn(2048, 2048).exp_().sum()
@@ -110,7 +110,7 @@ def test_torch_work_on_a_passing_thread_leaves_no_openmp_team() -> None:
 # 40 MiB buffers, three times over, on the main heap (`one`) or on a heap of its own.
 _HEAP = """
 import ctypes, resource, sys, threading
-from engine.host_memory import keep_freed_activation_memory, share_one_heap
+from engine.runtime.host_memory import keep_freed_activation_memory, share_one_heap
 libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
 libc.free.argtypes = [ctypes.c_void_p]

@@ -15,12 +15,12 @@ import redis.asyncio as aioredis
 
 from engine.client import RouteHint
 from engine.errors import NoWorkerAvailable, RequestRejected, WorkerLost
-from engine.fake import FakeEngine
 from engine.remote.client import RemoteEngine
 from engine.remote.heartbeat import HeartbeatPublisher, make_identity, read_heartbeats
 from engine.remote.routing import rendezvous_order
 from engine.remote.worker_app import create_worker_app
 from engine.request import EngineRequest, RequestOutput, SamplingParams, TenantContext
+from engine.testing import FakeEngine
 from tests.utils.live_server import serve_in_thread
 from tests.utils.tcp_proxy import TcpProxy
 

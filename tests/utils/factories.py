@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.request import Request, SamplingParams
+from engine.core.state import Request
+from engine.request import SamplingParams
 
 
 def make_request(

@@ -1,4 +1,4 @@
-"""The real app around a FakeEngine (engine/fake.py), and reading what it answers."""
+"""The real app around a FakeEngine (engine/testing.py), and reading what it answers."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from fastapi import FastAPI
 
 from app.core.config import Settings
 from app.main import create_app
-from engine.fake import FakeEngine, SubmittedRequest, fake_logprob, fake_top, render_chat
+from engine.testing import FakeEngine, SubmittedRequest, fake_logprob, fake_top, render_chat
 
 __all__ = [
     "FakeEngine",

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.request import SchedulerOutput
+from engine.core.state import SchedulerOutput
 
 FAULTS_ENV = "LORAPLEX_FAULTS"
 

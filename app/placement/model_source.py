@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from engine.model_loader import (
+from engine.models.loader import (
     DEFAULT_MODEL_NAME,
     ModelConfig,
     ModelLoadError,

@@ -25,7 +25,7 @@ from typing import Any
 
 import yaml
 
-from engine.placement.profiles import (
+from app.placement.profiles import (
     GpuModel,
     UnknownGpuModel,
     check_combination,

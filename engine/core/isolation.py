@@ -19,9 +19,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from engine.block_manager import BlockManager
-from engine.request import Request, SamplingParams, ScheduledChunk, SchedulerOutput
-from engine.sampler import SampleResult
+from engine.core.block_manager import BlockManager
+from engine.core.sampler import SampleResult
+from engine.core.state import Request, ScheduledChunk, SchedulerOutput
+from engine.request import SamplingParams
 
 log = logging.getLogger("loraplex.engine")
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention import AttentionMetadata, PrefillSequence, allocate_kv_cache
 from engine.config import EngineConfig
 from engine.lora.layers import LoRASlots
 from engine.lora.weights import LoRAModule, LoRAWeights
+from engine.models.attention import AttentionMetadata, PrefillSequence, allocate_kv_cache
 from engine.models.base import CausalLM
 from engine.models.config import ModelConfig
 from loraplex_kernels.reference import LoRASegments

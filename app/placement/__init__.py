@@ -7,12 +7,11 @@
     result.to_dict()  # {"workers": [...], "unplaced": [...]}
 """
 
-from engine.placement.memory import MemoryBreakdown, MemoryModel, WorkerShape
-from engine.placement.model_source import planning_model_config
-from engine.placement.planner import Plan, PlanOptions, Unplaced, Worker, plan
-from engine.placement.profiles import GPU_MODELS, GpuModel, MigProfile, check_combination
-from engine.placement.tenants import TenantSpec, load_tenants, parse_tenants
-from engine.placement.topology import (
+from app.placement.model_source import planning_model_config
+from app.placement.planner import Plan, PlanOptions, Unplaced, Worker, plan
+from app.placement.profiles import GPU_MODELS, GpuModel, MigProfile, check_combination
+from app.placement.tenants import TenantSpec, load_tenants, parse_tenants
+from app.placement.topology import (
     Gpu,
     MigInstance,
     MigMode,
@@ -23,6 +22,7 @@ from engine.placement.topology import (
     load_topology,
     parse_topology,
 )
+from engine.core.memory import MemoryBreakdown, MemoryModel, WorkerShape
 
 __all__ = [
     "GPU_MODELS",

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.placement.topology import PlacementInputError, check_keys, read_yaml
+from app.placement.topology import PlacementInputError, check_keys, read_yaml
 
 DEFAULT_CONCURRENCY = 1
 DEFAULT_CONTEXT = 4096

@@ -30,7 +30,7 @@ import hashlib
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
-from engine.request import Request
+from engine.core.state import Request
 
 
 def block_key(

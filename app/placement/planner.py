@@ -30,11 +30,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.model_loader import ModelConfig
-from engine.placement.memory import GIB, MemoryBreakdown, MemoryModel, WorkerShape
-from engine.placement.profiles import COMPUTE_SLICES, GpuModel, check_combination
-from engine.placement.tenants import TenantSpec
-from engine.placement.topology import Gpu, MigMode, Topology
+from app.placement.profiles import COMPUTE_SLICES, GpuModel, check_combination
+from app.placement.tenants import TenantSpec
+from app.placement.topology import Gpu, MigMode, Topology
+from engine.core.memory import GIB, MemoryBreakdown, MemoryModel, WorkerShape
+from engine.models.loader import ModelConfig
 
 
 @dataclass(frozen=True, slots=True)

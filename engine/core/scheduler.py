@@ -21,7 +21,7 @@ leaves of the budget goes back to the long chunks it capped, then to the prefill
 out, uncapped. So a short prompt arriving behind 8k-token prompts starts in the next step,
 and a step is as full as before.
 
-Waiting queue order (engine/fairness.py): effective priority (lower value first; waiting
+Waiting queue order (engine/core/fairness.py): effective priority (lower value first; waiting
 requests age towards 0), then the tenant's virtual token counter (fairness "vtc"; "fcfs"
 leaves it out), then preempted requests before new ones, then arrival, then insertion.
 
@@ -67,10 +67,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.fairness import FairQueue, Gate, TenantState
-from engine.request import Request, RequestStatus, ScheduledChunk, SchedulerOutput
+from engine.core.block_manager import BlockManager
+from engine.core.fairness import FairQueue, Gate, TenantState
+from engine.core.state import Request, RequestStatus, ScheduledChunk, SchedulerOutput
 
 
 class Admission(enum.Enum):

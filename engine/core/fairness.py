@@ -39,7 +39,8 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from engine.config import EngineConfig
-from engine.request import Request, RequestStatus, ScheduledChunk, TenantContext
+from engine.core.state import Request, RequestStatus, ScheduledChunk
+from engine.request import TenantContext
 
 # Order within one tenant and priority: (0 = preempted / 1 = new, arrival time, insertion).
 _QueueKey = tuple[int, float, int]

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.model_loader import ModelConfig
+from engine.models.loader import ModelConfig
 from engine.models.registry import model_class_for
 
 GIB = 1 << 30

@@ -9,9 +9,10 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from engine.detokenizer import IncrementalDetokenizer
-from engine.request import Request, RequestOutput, RequestStatus, TokenLogprob
-from engine.sampler import SampleResult
+from engine.core.detokenizer import IncrementalDetokenizer
+from engine.core.sampler import SampleResult
+from engine.core.state import Request, RequestStatus
+from engine.request import RequestOutput, TokenLogprob
 
 log = logging.getLogger("loraplex.engine")
 
@@ -86,7 +87,7 @@ class OutputProcessor:
             request.first_token_time = now
         status: RequestStatus | None = None
         text = ""
-        # The matcher has already accepted token_id (engine/constrained.py).
+        # The matcher has already accepted token_id (engine/core/constrained.py).
         grammar_done = request.matcher is not None and request.matcher.is_finished
         if ((not params.ignore_eos or grammar_done) and token_id in self.eos_token_ids) or (
             token_id in params.stop_token_ids

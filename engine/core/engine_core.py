@@ -10,22 +10,23 @@ from pathlib import Path
 
 import torch
 
-from engine.adapters import AdapterManager
-from engine.block_manager import BlockManager
 from engine.client import AdapterInfo, EngineStepError, RequestRejected
 from engine.config import EngineConfig
-from engine.constrained import ConstrainedDecoding
-from engine.faults import FaultPlan
-from engine.isolation import Execute, forward_one_by_one, probe_device, sample_one_by_one
+from engine.core.block_manager import BlockManager
+from engine.core.constrained import ConstrainedDecoding
+from engine.core.faults import FaultPlan
+from engine.core.isolation import Execute, forward_one_by_one, probe_device, sample_one_by_one
+from engine.core.model_runner import ModelRunner
+from engine.core.output_processor import OutputProcessor, request_output
+from engine.core.sampler import Sampler, SampleResult
+from engine.core.scheduler import Scheduler
+from engine.core.state import Request, RequestStatus
 from engine.limits import ContextLimits, check_prompt_ids, resolve_max_tokens
 from engine.lora.cache import AdapterCache
+from engine.lora.manager import AdapterManager
 from engine.lora.weights import LoRAWeights
-from engine.model_loader import resolve_model_dir
-from engine.model_runner import ModelRunner
-from engine.output_processor import OutputProcessor, request_output
-from engine.request import EngineRequest, Request, RequestOutput, RequestStatus, TenantContext
-from engine.sampler import Sampler, SampleResult
-from engine.scheduler import Scheduler
+from engine.models.loader import resolve_model_dir
+from engine.request import EngineRequest, RequestOutput, TenantContext
 from engine.structured import CompiledGrammar
 
 __all__ = ["EngineCore", "RequestRejected", "StepResult"]  # RequestRejected: what it raises
@@ -42,7 +43,7 @@ class StepResult:
     # step failed on them), with the error for their callers.
     failures: dict[str, BaseException]
     idle: bool  # nothing could run: whatever is queued waits on adapter loads
-    # Set once steps kept failing with nothing to blame (see engine/isolation.py): the
+    # Set once steps kept failing with nothing to blame (see engine/core/isolation.py): the
     # engine serves no more and the step loop must stop.
     fatal: str | None = None
 
@@ -61,7 +62,11 @@ class EngineCore:
         self.block_manager = BlockManager(
             self.runner.num_blocks, config.block_size, config.enable_prefix_caching
         )
-        self.adapters = AdapterManager(config, self.runner, self.model_dir, wakeup=wakeup)
+        runner = self.runner
+        self.adapters = AdapterManager(
+            config, runner.lora, runner.model_config, runner.dtype, self.model_dir,
+            wakeup=wakeup,
+        )
         self.scheduler = Scheduler(config, self.block_manager, self.adapters.cache)
         self.sampler = Sampler()
         self.outputs = OutputProcessor(
@@ -76,7 +81,7 @@ class EngineCore:
         self.num_step_failures = 0  # steps that raised (their requests ran one by one)
         self.num_steps = 0  # steps that ran a batch, and their time
         self.step_seconds = 0.0
-        # Steps in a row in which nothing could run (see engine/isolation.py).
+        # Steps in a row in which nothing could run (see engine/core/isolation.py).
         self.consecutive_failures = 0
         self.last_failure: str | None = None
         self._execute: Execute = self.runner.execute
@@ -194,13 +199,16 @@ class EngineCore:
 
     def _step(self) -> tuple[list[RequestOutput], bool]:
         """(outputs, whether nothing could run)."""
-        for request_id, error in self.adapters.between_steps(self.scheduler).items():
+        load_failures = self.adapters.between_steps(
+            self.scheduler.waiting, self.scheduler.block_manager.drop_adapter
+        )
+        for request_id, error in load_failures.items():
             self._failures[request_id] = error
             self.abort_request(request_id)
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
             return [], True
-        adapter_slots = self.adapters.device_slots(scheduled.chunks)
+        adapter_slots = self.adapters.device_slots(c.request for c in scheduled.chunks)
         failed: list[tuple[Request, BaseException]] = []
         try:
             logits = self._execute(scheduled, adapter_slots)
@@ -246,7 +254,7 @@ class EngineCore:
 
     def _fail_requests(self, failed: list[tuple[Request, BaseException]], *, ran_any: bool) -> None:
         """Fail the requests a step failed on, freeing their blocks and adapter pins; with
-        nothing else run, probe the device (see engine/isolation.py)."""
+        nothing else run, probe the device (see engine/core/isolation.py)."""
         for request, exc in failed:
             self._failures[request.request_id] = EngineStepError(
                 f"the engine step running this request failed: {type(exc).__name__}: {exc}"

@@ -12,23 +12,32 @@ from typing import Any
 
 import torch
 
-from engine import cpu_features
-from engine.attention import AttentionMetadata, LayerKVCache, PrefillSequence, allocate_kv_cache
 from engine.config import EngineConfig
-from engine.host_memory import idle_trimmer, keep_freed_activation_memory, release_free_memory
+from engine.core.memory import KVCacheBudget, kv_cache_budget
+from engine.core.state import ScheduledChunk, SchedulerOutput
+from engine.core.step_profile import run_largest_step
 from engine.lora.layers import LoRASlots
-from engine.model_loader import (
+from engine.models.attention import (
+    AttentionMetadata,
+    LayerKVCache,
+    PrefillSequence,
+    allocate_kv_cache,
+)
+from engine.models.base import CausalLM
+from engine.models.cpu_linear import pack_linears, packing_available
+from engine.models.loader import (
     ModelConfig,
     iter_safetensors,
     load_tokenizer,
     validate_model_dir,
 )
-from engine.models.base import CausalLM
-from engine.models.cpu_linear import pack_linears, packing_available
 from engine.models.registry import model_class_for
-from engine.placement.memory import KVCacheBudget, kv_cache_budget
-from engine.request import ScheduledChunk, SchedulerOutput
-from engine.step_profile import run_largest_step
+from engine.runtime import cpu_features
+from engine.runtime.host_memory import (
+    idle_trimmer,
+    keep_freed_activation_memory,
+    release_free_memory,
+)
 from loraplex_kernels import cpu_build, cpu_decode, cpu_ops
 from loraplex_kernels.reference import LoRASegments
 
@@ -46,7 +55,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 def resolve_device_dtype(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
     """`auto` device: CUDA if available else CPU; `auto` dtype: bf16 on CUDA devices that
     support it (compute capability 8.0+), else float16; on CPU bf16 where it has AMX-BF16
-    or AVX-512 BF16, else float32 (engine/cpu_features.py). bfloat16 asked for on a CUDA
+    or AVX-512 BF16, else float32 (engine/runtime/cpu_features.py). bfloat16 asked for on a CUDA
     device without it is refused."""
     if device == "auto":
         dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -288,7 +297,7 @@ class ModelRunner:
         )
 
     def profile_run(self, max_model_len: int) -> int:
-        """The largest step the config allows, once (see engine/step_profile.py); returns
+        """The largest step the config allows, once (see engine/core/step_profile.py); returns
         the bytes of the scratch KV cache it ran against."""
         return run_largest_step(
             self.model, self.lora, self.config, self.model_config,

@@ -19,8 +19,8 @@ import torch
 from torch import Tensor
 
 from engine.config import EngineConfig
-from engine.request import Request
-from engine.sampler import SampleResult
+from engine.core.sampler import SampleResult
+from engine.core.state import Request
 from engine.structured import (
     CompiledGrammar,
     GrammarCacheStats,

@@ -17,7 +17,8 @@ from itertools import chain
 import torch
 from torch import Tensor
 
-from engine.request import Request, SamplingParams, TokenLogprob
+from engine.core.state import Request
+from engine.request import SamplingParams, TokenLogprob
 from loraplex_kernels import cpu_ops
 
 
@@ -301,7 +302,7 @@ def compute_logprobs(
 
     NOTE: computed from the model's raw logits, before penalties and temperature, so they
     describe the model's distribution (what OpenAI reports), not the sampling one. The
-    rows of structured outputs come masked (engine/constrained.py): theirs are those of
+    rows of structured outputs come masked (engine/core/constrained.py): theirs are those of
     the model's distribution over the tokens the grammar allows.
     """
     rows = [i for i, p in enumerate(params) if p.logprobs is not None]
