@@ -265,7 +265,7 @@ def test_documented_bounds_are_what_the_server_enforces(
             assert response.status_code == 400, (field, value, response.text)
             error = response.json()["error"]
             assert error["param"] == field, (value, response.text)
-            # serving.py's range check, not a pydantic constraint's generic message.
+            # planning.py's range check, not a pydantic constraint's generic message.
             assert error["code"] in RANGE_CODES, (value, response.text)
         for value in _inside(schema):
             response = client.post(path, json={**_base_body(model), field: value})

@@ -34,7 +34,7 @@ class Documented:
     ignores them. Use as `Annotated[int, documented(minimum=0)]`.
 
     NOTE: not pydantic constraints: those would answer a bad value with a generic
-    validation message; serving.py enforces the numeric ones (`bounds_of`) with OpenAI's
+    validation message; planning.py enforces the numeric ones (`bounds_of`) with OpenAI's
     400 and the exact `param` and `code` (tests/app/test_openapi_document.py holds the
     document to what the server refuses).
     """
