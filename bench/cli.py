@@ -175,7 +175,7 @@ def kernels(
 def gateway(**kwargs: Any) -> None:
     """Gateway overhead: chat requests (keys, Redis quotas, metering) against an engine
     that answers instantly, vs GET /health, open loop at --rate; then a closed loop."""
-    from bench.gateway import GatewayOptions, run_gateway
+    from bench.gateway.run import GatewayOptions, run_gateway
 
     run_gateway(GatewayOptions(**kwargs))
 
@@ -305,8 +305,8 @@ def lora_cold_load(loads: int, **kwargs: Any) -> None:
 def serve(**kwargs: Any) -> None:
     """Open-loop streams at each --rate (Poisson or gamma arrivals): TTFT, TPOT, ITL, e2e
     percentiles, throughput and goodput within the SLOs; KV, queue and RSS of loraplex."""
-    from bench.serve import run_serve
-    from bench.serve_options import options_from_cli
+    from bench.serve.options import options_from_cli
+    from bench.serve.run import run_serve
 
     try:
         options = options_from_cli(**kwargs)
@@ -407,7 +407,7 @@ def soak(serve_args: tuple[str, ...], **kwargs: Any) -> None:
     """Open-loop mixed traffic (plain, streams, cut streams, bad requests, adapter uploads)
     at a fraction of measured capacity; fails on leaked memory, descriptors, threads, KV
     blocks, pinned adapters, DB connections, Redis keys, or usage rows != responses."""
-    from bench.soak import SoakOptions, run_soak
+    from bench.soak.run import SoakOptions, run_soak
 
     report = run_soak(
         SoakOptions(serve_args=[a for arg in serve_args for a in arg.split()], **kwargs)
@@ -473,7 +473,7 @@ def long_prompts(
 def grammar(libraries: tuple[str, ...], **kwargs: Any) -> None:
     """xgrammar vs llguidance: compile time, per-step mask time for a batch, bitmask apply,
     GIL overlap with a matmul, hostile grammars; every generated document validated."""
-    from bench.grammar import GrammarOptions, run_grammar
+    from bench.grammar.run import GrammarOptions, run_grammar
 
     run_grammar(GrammarOptions(libraries=libraries, **kwargs))
 
@@ -509,7 +509,7 @@ def structured(**kwargs: Any) -> None:
     """Constrained decoding: TPOT with half the rows under a JSON schema vs none (same
     run), grammar compile times cold and cached, and schema / tool-call validity on the
     demo adapters; fails when an answer is not valid."""
-    from bench.structured import StructuredOptions, run_structured
+    from bench.structured.run import StructuredOptions, run_structured
 
     report = run_structured(StructuredOptions(**kwargs))
     if not report.validity.ok:

@@ -19,11 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
-import os
 import secrets
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -32,9 +28,9 @@ from pathlib import Path
 
 import httpx
 
-from bench.server import engine_counters, free_port, stop, wait_ready
-from bench.throughput import machine_description, print_row
-from bench.workload import (
+from bench.harness.report import machine_description, print_row, save_report
+from bench.harness.server import checkout_model_args, clean_env, engine_counters, loraplex_serve
+from bench.harness.workload import (
     BenchRequest,
     RequestTiming,
     _one_stream,
@@ -53,7 +49,6 @@ SCENARIOS: dict[str, tuple[str, str]] = {
 MODES = ("vtc", "fcfs")
 # Settings the server must not inherit from the shell: the benchmark brings its own SQLite
 # database (in a temporary data directory) and per-process quotas.
-_ENV_DROP = ("DATABASE_URL", "REDIS_URL", "LORAPLEX_NO_AUTH", "LORAPLEX_DATA_DIR")
 
 
 @dataclass(slots=True)
@@ -152,11 +147,7 @@ def run_fairness(opts: FairnessOptions) -> dict[str, object]:
                 results.append(result.summary())
                 print_row(f"{scenario} {mode}", results[-1])
     report["results"] = results
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    output = opts.output or Path("bench/results") / f"fairness-{stamp}.json"
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(json.dumps(report, indent=2))
-    print(f"report: {output}", flush=True)
+    save_report(report, "fairness", opts.output)
     return report
 
 
@@ -215,28 +206,13 @@ def authenticated_server(
     database in a temporary data directory."""
     admin_key = f"bench-admin-{secrets.token_hex(16)}"
     with tempfile.TemporaryDirectory(prefix="loraplex-fairness-") as data_dir:
-        env = {k: v for k, v in os.environ.items() if k.upper() not in _ENV_DROP}
-        env.update(
-            LORAPLEX_ADMIN_KEY=admin_key,
-            LORAPLEX_SECRET_KEY=secrets.token_hex(32),
-            LORAPLEX_DATA_DIR=data_dir,
-        )
-        # The model stays where the checkout keeps it: no second conversion per run.
-        model_args = _model_dir_args(serve_args)
-        port = free_port()
-        # As the `loraplex` script starts it (app.cli imported, not run as __main__).
-        launcher = "from app.cli import main; main()"
-        cmd = [sys.executable, "-c", launcher, "serve", "--port", str(port), *model_args]
-        log_path = Path(data_dir) / "serve.log"  # one access-log line per request: not here
-        log = log_path.open("wb")
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
-        base_url = f"http://127.0.0.1:{port}"
-        try:
-            wait_ready(proc, base_url, timeout_s, cmd=cmd, log=log_path)
-            yield base_url, admin_key
-        finally:
-            stop(proc)
-            log.close()
+        env = clean_env(LORAPLEX_ADMIN_KEY=admin_key, LORAPLEX_SECRET_KEY=secrets.token_hex(32),
+                        LORAPLEX_DATA_DIR=data_dir)
+        # One access-log line per request: to a file, not here.
+        with loraplex_serve(checkout_model_args(serve_args), env=env, no_auth=False,
+                            log_path=Path(data_dir) / "serve.log",
+                            timeout_s=timeout_s) as server:
+            yield server.base_url, admin_key
 
 
 def tenant_key(base_url: str, admin_key: str, name: str, tier: str) -> str:
@@ -250,16 +226,6 @@ def tenant_key(base_url: str, admin_key: str, name: str, tier: str) -> str:
         response = admin.post(f"/admin/tenants/{tenant_id}/keys", json={"name": "bench"})
         response.raise_for_status()
         return str(response.json()["key"])
-
-
-def _model_dir_args(serve_args: list[str]) -> list[str]:
-    """`--model default` names the bundled model under the data directory; the server runs
-    with a temporary one, so it gets the converted directory itself."""
-    args = list(serve_args)
-    for index, arg in enumerate(args[:-1]):
-        if arg == "--model" and args[index + 1] == "default":
-            args[index + 1] = str(resolve_model_dir("default", default_data_dir()))
-    return args
 
 
 async def _model_name(client: httpx.AsyncClient) -> str:

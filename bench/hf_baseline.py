@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from bench.workload import BenchRequest
+from bench.harness.workload import BenchRequest
 
 
 @dataclass(slots=True)

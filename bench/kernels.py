@@ -1,3 +1,4 @@
+
 """`loraplex bench kernels`: the Triton multi-LoRA kernels against torch baselines on one GPU.
 
 For SmolLM2-135M's LoRA groups (qkv, gate_up, down) and T tokens whose adapters are all
@@ -11,8 +12,6 @@ every adapter to the buffers' max rank.
 from __future__ import annotations
 
 import functools
-import json
-import platform
 import statistics
 import sys
 import time
@@ -22,10 +21,10 @@ from pathlib import Path
 
 import torch
 
+from bench.harness.report import machine_description, save_report
 from loraplex_kernels import reference as ref
 from loraplex_kernels.reference import LoRASegments
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
 POPULARITIES = ("identical", "distinct", "skewed")
 
 
@@ -183,10 +182,7 @@ def run_kernels(opts: KernelsOptions) -> dict[str, object]:
                     rows.append(row)
                     print_row(row)
     report["rows"] = [row.summary() for row in rows]
-    output = opts.output or RESULTS_DIR / f"kernels-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(json.dumps(report, indent=2))
-    print(f"wrote {output}")
+    save_report(report, "kernels", opts.output)
     return report
 
 
@@ -294,16 +290,6 @@ def cuda_time_us(fn: Callable[[], object], warmup: int, iters: int) -> float:
     torch.cuda.synchronize()
     return statistics.median(start.elapsed_time(end) for start, end in events) * 1000.0
 
-
-def machine_description() -> str:
-    import triton
-
-    props = torch.cuda.get_device_properties(0)
-    return (
-        f"{props.name} sms={props.multi_processor_count} cuda={torch.version.cuda} "
-        f"torch={torch.__version__} triton={triton.__version__} "
-        f"python={platform.python_version()}"
-    )
 
 
 _COLUMNS = ("group", "T", "popularity", "op", "triton us", "ref us", "bmm us", "ref/tri", "bmm/tri")

@@ -28,9 +28,15 @@ from pathlib import Path
 
 import httpx
 
-from bench.server import engine_counters, running_server
-from bench.throughput import model_name, print_row, report_header, write_report
-from bench.workload import BenchRequest, RequestTiming, _one_stream, make_requests, percentile
+from bench.harness.report import print_row, report_header, write_report
+from bench.harness.server import engine_counters, model_name, running_server
+from bench.harness.workload import (
+    BenchRequest,
+    RequestTiming,
+    _one_stream,
+    make_requests,
+    percentile,
+)
 from engine.config import default_data_dir
 from engine.models.loader import load_model_config, resolve_model_dir
 

@@ -16,16 +16,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.adapters import ALL_LINEAR, ATTENTION, write_random_adapter
+from bench.harness.adapters import ALL_LINEAR, ATTENTION, write_random_adapter
+from bench.harness.report import print_row, report_header, write_report
+from bench.harness.server import model_name, running_server
+from bench.harness.workload import BenchRequest, LoadResult, make_requests, percentile, run_load
 from bench.hf_baseline import HFResult, load_hf_model, run_one_at_a_time, run_static_batches
-from bench.server import running_server
-from bench.throughput import (
-    model_name,
-    print_row,
-    report_header,
-    write_report,
-)
-from bench.workload import BenchRequest, LoadResult, make_requests, percentile, run_load
 from engine.config import EngineConfig, default_data_dir
 from engine.models.loader import ModelConfig, load_model_config, resolve_model_dir
 

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from bench.throughput import machine_description, print_row
+from bench.harness.report import machine_description, print_row
 from engine.config import EngineConfig, default_data_dir
 from engine.core.model_runner import dtype_name
 from engine.models.loader import load_model_config, resolve_model_dir

@@ -10,18 +10,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-import platform
 import subprocess
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-import torch
-
+from bench.harness.report import machine_description, print_row, write_report
+from bench.harness.server import ProcessMemory, model_name, running_server
+from bench.harness.workload import BenchRequest, LoadResult, make_requests, run_load
 from bench.hf_baseline import HFResult, load_hf_model, run_one_at_a_time, run_static_batches
-from bench.server import ProcessMemory, running_server
-from bench.workload import BenchRequest, LoadResult, make_requests, run_load
 from engine.config import default_data_dir
 from engine.models.loader import load_model_config, resolve_model_dir
 
@@ -121,50 +118,5 @@ def run_throughput(opts: ThroughputOptions) -> dict[str, object]:
             ),
         }
         print("best of each:", json.dumps(report["ratios"]))
-    if opts.output is not None:
-        opts.output.parent.mkdir(parents=True, exist_ok=True)
-        opts.output.write_text(json.dumps(report, indent=2))
+    write_report(report, opts.output)
     return report
-
-
-def model_name(base_url: str) -> str:
-    import httpx
-
-    return str(httpx.get(f"{base_url}/v1/models", timeout=10).json()["data"][0]["id"])
-
-
-def machine_description() -> str:
-    return (
-        f"{platform.machine()} {platform.processor() or ''} cores={torch.get_num_threads()} "
-        f"torch={torch.__version__} python={platform.python_version()}"
-    ).strip()
-
-
-def report_header(name: str, opts: Any) -> dict[str, Any]:
-    """What every benchmark report starts with; `opts`: its options dataclass (without
-    the output path)."""
-    options = {f.name: jsonable(getattr(opts, f.name)) for f in fields(opts) if f.name != "output"}
-    return {
-        "benchmark": name,
-        "machine": machine_description(),
-        "options": options,
-        "started_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
-    }
-
-
-def jsonable(value: Any) -> Any:
-    if isinstance(value, Path):
-        return str(value)
-    if isinstance(value, tuple):
-        return list(value)
-    return value
-
-
-def write_report(report: dict[str, Any], output: Path | None) -> None:
-    if output is not None:
-        output.parent.mkdir(parents=True, exist_ok=True)
-        output.write_text(json.dumps(report, indent=2))
-
-
-def print_row(label: str, row: object) -> None:
-    print(f"{label:>20}: {json.dumps(row)}", flush=True)

@@ -2,7 +2,7 @@
 
 NOTE: the dependencies that only read memory are `async def`: FastAPI runs a plain `def`
 dependency in its thread pool, and three thread hops per request cost about a quarter
-of the gateway's CPU per request (bench/gateway.py).
+of the gateway's CPU per request (bench/gateway/run.py).
 """
 
 from __future__ import annotations

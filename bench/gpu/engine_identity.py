@@ -7,7 +7,6 @@ from pathlib import Path
 
 import torch
 
-from bench.adapters import ALL_LINEAR, ATTENTION, write_random_adapter
 from bench.gpu.engine_runs import (
     close_core,
     engine_requests,
@@ -21,11 +20,12 @@ from bench.gpu.engine_runs import (
 from bench.gpu.models import build_random_model
 from bench.gpu.plans import IdentityPlan
 from bench.gpu.report import StepOutcome
-from bench.workload import BenchRequest, make_requests
+from bench.harness.adapters import ALL_LINEAR, ATTENTION, write_random_adapter
+from bench.harness.workload import BenchRequest, make_requests
 from engine.core.engine_core import EngineCore
 from engine.models.loader import load_model_config
 
-# Adapter scale: alpha = ALPHA_PER_RANK * r. bench/adapters.py draws B small ("a modest
+# Adapter scale: alpha = ALPHA_PER_RANK * r. bench/harness/adapters.py draws B small ("a modest
 # effect"); scaled up, the adapters change greedy picks, or identity would prove little.
 ALPHA_PER_RANK = 64
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from bench.workload import BenchRequest
+from bench.harness.workload import BenchRequest
 from engine.config import EngineConfig
 from engine.core.engine_core import EngineCore
 from engine.request import EngineRequest, SamplingParams

@@ -11,7 +11,6 @@ from typing import Any
 
 import torch
 
-from bench.adapters import ATTENTION, write_random_adapter
 from bench.gpu.engine_runs import (
     EngineRun,
     close_core,
@@ -23,8 +22,9 @@ from bench.gpu.engine_runs import (
 from bench.gpu.models import build_random_model
 from bench.gpu.plans import ThroughputPlan
 from bench.gpu.report import StepOutcome
+from bench.harness.adapters import ATTENTION, write_random_adapter
+from bench.harness.workload import BenchRequest, make_requests
 from bench.hf_baseline import HFResult, run_static_batches
-from bench.workload import BenchRequest, make_requests
 from engine.core.engine_core import EngineCore
 from engine.models.loader import load_model_config
 
@@ -117,7 +117,8 @@ def _workload(
     seed: int,
     models: list[str | None] | None = None,
 ) -> list[BenchRequest]:
-    """Random prompts (bench/workload.py); `models`: each request's adapter (None: base)."""
+    """Random prompts (bench/harness/workload.py); `models`: each request's adapter
+    (None: base)."""
     reqs = make_requests(
         n, vocab_size=vocab, prompt_len=prompt_len, output_len=output_len, seed=seed
     )

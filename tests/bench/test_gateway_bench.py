@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from bench.gateway import SCENARIOS, GatewayOptions, run_gateway
+from bench.gateway.run import SCENARIOS, GatewayOptions, run_gateway
 
 RATE = 20.0
 DURATION_S = 0.5

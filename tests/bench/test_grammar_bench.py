@@ -10,9 +10,9 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from bench.grammar import LIBRARIES, GrammarOptions, GrammarReport, run_grammar
-from bench.grammar_cases import CASES, hostile_cases
-from bench.grammar_driver import Stats
+from bench.grammar.cases import CASES, hostile_cases
+from bench.grammar.driver import Stats
+from bench.grammar.run import LIBRARIES, GrammarOptions, GrammarReport, run_grammar
 
 
 @pytest.fixture(scope="module")

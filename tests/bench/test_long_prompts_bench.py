@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from bench.harness.workload import RequestTiming
 from bench.long_prompts import LongPromptOptions, arrivals, run_long_prompts, summarize
-from bench.workload import RequestTiming
 
 
 def test_arrivals_interleave_long_prompts_at_fixed_times_with_poisson_shorts() -> None:

@@ -19,9 +19,8 @@ import pytest
 from click.testing import CliRunner
 
 from bench.cli import bench
-from bench.serve import ServeReport, run_serve
-from bench.serve_client import RequestRecord
-from bench.serve_monitor import (
+from bench.serve.client import RequestRecord
+from bench.serve.monitor import (
     KV_FILLED,
     PREFIX_HITS,
     PREFIX_QUERIES,
@@ -33,10 +32,11 @@ from bench.serve_monitor import (
     read_rss_bytes,
     summarize_samples,
 )
-from bench.serve_options import ServeOptions, parse_length_range
-from bench.serve_stats import SLO, summarize
-from bench.serve_target import started_server
-from bench.serve_workload import (
+from bench.serve.options import ServeOptions, parse_length_range
+from bench.serve.run import ServeReport, run_serve
+from bench.serve.stats import SLO, summarize
+from bench.serve.target import started_server
+from bench.serve.workload import (
     DatasetEntry,
     MixOptions,
     ServeRequest,

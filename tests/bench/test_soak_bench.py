@@ -7,8 +7,8 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-from bench.soak import SoakOptions, run_soak
-from bench.soak_traffic import MIX
+from bench.soak.run import SoakOptions, run_soak
+from bench.soak.traffic import MIX
 
 SECONDS = 4.0
 

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from bench.adapters import write_random_adapter
-from bench.structured import StructuredOptions, StructuredReport, run_structured
-from bench.structured_cases import SCHEMA_CASES, TOOL_CASES, check_document, check_tool_calls
+from bench.harness.adapters import write_random_adapter
+from bench.structured.cases import SCHEMA_CASES, TOOL_CASES, check_document, check_tool_calls
+from bench.structured.run import StructuredOptions, StructuredReport, run_structured
 from engine.models.loader import load_model_config
 
 pytestmark = pytest.mark.slow

@@ -10,7 +10,7 @@ from typing import Any, ClassVar
 import pytest
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from bench.adapters import write_random_adapter
+from bench.harness.adapters import write_random_adapter
 from engine.async_engine import max_adapter_bytes
 from engine.core.memory import adapter_slot_bytes, count_parameters
 from engine.lora.peft import load_peft_adapter

@@ -20,7 +20,7 @@ import jsonschema
 import pytest
 import torch
 
-from bench.grammar_cases import (
+from bench.grammar.cases import (
     DATE_PATTERN,
     EMAIL_PATTERN,
     ENUM_SCHEMA,

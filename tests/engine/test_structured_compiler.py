@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from bench.grammar_cases import (
+from bench.grammar.cases import (
     CASES,
     ENUM_SCHEMA,
     FLAT_SCHEMA,

@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import httpx
+
+from bench.harness import loops
 
 # Idle keep-alive connections older than this are closed, not reused: uvicorn closes
 # them after 5 s, and a request sent as the server closes would fail for the client's
@@ -161,50 +164,28 @@ async def _send(client: LoadClient, probe: Probe, timeout_s: float) -> Reply | s
 
 async def open_loop(client: LoadClient, probe: Probe, rate: float, duration_s: float,
                     *, timeout_s: float = 30.0) -> Samples:
-    """Requests sent on a fixed schedule, latency counted from the scheduled time.
-
-    NOTE: from the schedule, not from the actual send: when the server (or this client)
-    falls behind, the queueing shows up in the latency instead of silently lowering the
-    rate (coordinated omission).
-    """
-    loop = asyncio.get_running_loop()
+    """Requests sent on a fixed schedule, latency counted from the scheduled time (see
+    harness.loops.open_loop's NOTE)."""
     samples = Samples()
-    start = loop.time() + 0.01
-    last_end = start
 
-    async def one(scheduled: float) -> None:
-        nonlocal last_end
+    async def one(index: int, due: float) -> None:
         reply = await _send(client, probe, timeout_s)
-        end = loop.time()
-        last_end = max(last_end, end)
-        samples.add(probe, end - scheduled, reply)
+        samples.add(probe, time.perf_counter() - due, reply)
 
-    tasks = []
-    for i in range(max(1, round(rate * duration_s))):
-        scheduled = start + i / rate
-        delay = scheduled - loop.time()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        tasks.append(asyncio.create_task(one(scheduled)))
-    await asyncio.gather(*tasks)
-    samples.wall_s = last_end - start
+    arrivals = [i / rate for i in range(max(1, round(rate * duration_s)))]
+    samples.wall_s = await loops.open_loop(arrivals, one)
     return samples
 
 
 async def closed_loop(client: LoadClient, probe: Probe, concurrency: int, duration_s: float,
                       *, timeout_s: float = 30.0) -> Samples:
     """`concurrency` workers, each sending its next request when the last one answered."""
-    loop = asyncio.get_running_loop()
     samples = Samples()
-    start = loop.time()
-    stop_at = start + duration_s
 
-    async def worker() -> None:
-        while loop.time() < stop_at:
-            sent = loop.time()
-            reply = await _send(client, probe, timeout_s)
-            samples.add(probe, loop.time() - sent, reply)
+    async def one() -> None:
+        sent = time.perf_counter()
+        reply = await _send(client, probe, timeout_s)
+        samples.add(probe, time.perf_counter() - sent, reply)
 
-    await asyncio.gather(*(worker() for _ in range(concurrency)))
-    samples.wall_s = loop.time() - start
+    _, samples.wall_s = await loops.closed_loop(one, concurrency, duration_s)
     return samples

@@ -6,10 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
-import os
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
@@ -19,10 +15,9 @@ from typing import Any
 
 import httpx
 
-from bench.server import free_port, stop, wait_ready
-from bench.workload import RequestTiming, percentile
-
-_ENV_DROP = ("DATABASE_URL", "REDIS_URL", "LORAPLEX_NO_AUTH", "LORAPLEX_DATA_DIR")
+from bench.harness.server import clean_env, loraplex_serve
+from bench.harness.sse import EventStream, TokenClock
+from bench.harness.workload import RequestTiming, percentile
 
 
 @contextlib.contextmanager
@@ -30,21 +25,11 @@ def scratch_server(model_dir: Path, serve_args: Sequence[str], *,
                    timeout_s: float = 300.0) -> Iterator[str]:
     """Yield the base URL of a `loraplex serve --no-auth` of `model_dir` whose database,
     spool and adapter store live in a temporary directory (removed afterwards)."""
-    with tempfile.TemporaryDirectory(prefix="loraplex-structured-") as data_dir:
-        env = {k: v for k, v in os.environ.items() if k.upper() not in _ENV_DROP}
-        env["LORAPLEX_DATA_DIR"] = data_dir
-        port = free_port()
-        cmd = [sys.executable, "-m", "app.cli", "serve", "--no-auth", "--port", str(port),
-               "--model", str(model_dir), *serve_args]
-        log_path = Path(data_dir) / "serve.log"
-        with log_path.open("wb") as log:
-            proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
-            base_url = f"http://127.0.0.1:{port}"
-            try:
-                wait_ready(proc, base_url, timeout_s, cmd=cmd, log=log_path)
-                yield base_url
-            finally:
-                stop(proc)
+    with tempfile.TemporaryDirectory(prefix="loraplex-structured-") as data_dir, \
+            loraplex_serve(["--model", str(model_dir), *serve_args],
+                           env=clean_env(LORAPLEX_DATA_DIR=data_dir),
+                           log_path=Path(data_dir) / "serve.log", timeout_s=timeout_s) as server:
+        yield server.base_url
 
 
 @dataclass(slots=True)
@@ -105,38 +90,27 @@ class LoadSummary:
 
 async def _stream(client: httpx.AsyncClient, call: ChatCall) -> StreamResult:
     body = {**call.body, "stream": True, "stream_options": {"include_usage": True}}
-    start = time.perf_counter()
-    first: float | None = None
-    last = start
-    gaps: list[float] = []
+    clock = TokenClock(time.perf_counter())
     parts: list[str] = []
     finish_reason: str | None = None
     num_tokens = 0
     async with client.stream("POST", "/v1/chat/completions", json=body) as resp:
         if resp.status_code != 200:
             raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread()).decode()}")
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            now = time.perf_counter()
+        async for chunk in EventStream(resp):
             for choice in chunk.get("choices") or []:
                 text = (choice.get("delta") or {}).get("content")
                 if text:
                     parts.append(text)
-                    if first is None:
-                        first = now
-                    else:
-                        gaps.append(now - last)
-                    last = now
+                    clock.tick()
                 finish_reason = choice.get("finish_reason") or finish_reason
             if chunk.get("usage"):
                 num_tokens = int(chunk["usage"]["completion_tokens"])
     end = time.perf_counter()
     # NOTE: TPOT runs to the last token's arrival, not the stream's end: the usage chunk
     # and [DONE] come after it.
-    timing = RequestTiming(ttft_s=(first or end) - start, e2e_s=last - start,
-                           num_output_tokens=num_tokens, token_gaps_s=gaps)
+    timing = RequestTiming(ttft_s=clock.ttft_s(end), e2e_s=clock.last - clock.start,
+                           num_output_tokens=num_tokens, token_gaps_s=clock.gaps)
     return StreamResult(call.label, timing, "".join(parts), finish_reason)
 
 

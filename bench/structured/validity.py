@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.structured_cases import (
+from bench.structured.cases import (
     SCHEMA_CASES,
     TOOL_CASES,
     chat_body,
@@ -18,7 +18,7 @@ from bench.structured_cases import (
     check_tool_calls,
     schema_format,
 )
-from bench.structured_load import ChatCall, post_all
+from bench.structured.load import ChatCall, post_all
 from engine.config import default_data_dir
 
 

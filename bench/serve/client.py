@@ -4,6 +4,7 @@ as a stream of `POST /v1/completions`, timed chunk by chunk, failures kept as re
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import Sequence
@@ -11,7 +12,9 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from bench.serve_workload import ServeRequest
+from bench.harness import loops
+from bench.harness.sse import EventStream, TokenClock
+from bench.serve.workload import ServeRequest
 
 
 @dataclass(slots=True)
@@ -121,7 +124,7 @@ async def send_stream(
 async def _read_stream(
     client: httpx.AsyncClient, body: dict[str, object], record: RequestRecord, start: float
 ) -> None:
-    last = start
+    clock = TokenClock(start)
     chunks = 0
     async with client.stream("POST", "/v1/completions", json=body) as response:
         record.status = response.status_code
@@ -129,24 +132,15 @@ async def _read_stream(
             text = (await response.aread()).decode(errors="replace")
             record.error = f"HTTP {response.status_code}: {text[:200]}"
             return
-        async for line in response.aiter_lines():
-            if not line.startswith("data:"):
-                continue
-            payload = line[5:].strip()
-            if payload == "[DONE]":
-                break
-            event = json.loads(payload)
+        async for event in EventStream(response):
             if event.get("error"):
                 record.error = f"stream error: {json.dumps(event['error'])[:200]}"
                 return
-            now = time.perf_counter()
             if event.get("choices"):
                 chunks += 1
-                if record.ttft_s is None:
-                    record.ttft_s = now - start
-                else:
-                    record.itl_s.append(now - last)
-                last = now
+                clock.tick()
+                record.ttft_s = clock.ttft_s(clock.last)
+                record.itl_s = clock.gaps
             usage = event.get("usage")
             if usage:
                 record.output_tokens = int(usage.get("completion_tokens") or 0)
@@ -167,25 +161,19 @@ async def run_schedule(
     unless `max_concurrency` caps the streams in flight); wait for all to end."""
     assert len(requests) == len(arrivals)
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    records: list[RequestRecord] = []
 
-    async def one(index: int, request: ServeRequest, due: float) -> RequestRecord:
-        record = RequestRecord(index, target.served_name(request.adapter), scheduled_s=due)
-        if limit is None:
+    async def one(index: int, due: float) -> None:
+        request, start = requests[index], due - arrivals[index]
+        record = RequestRecord(index, target.served_name(request.adapter),
+                               scheduled_s=arrivals[index])
+        records.append(record)
+        async with limit or contextlib.nullcontext():
             record.sent_s = time.perf_counter() - start
-            return await send_stream(client, target, request, record)
-        async with limit:
-            record.sent_s = time.perf_counter() - start
-            return await send_stream(client, target, request, record)
+            await send_stream(client, target, request, record)
 
-    start = time.perf_counter()
-    tasks: list[asyncio.Task[RequestRecord]] = []
-    for index, (request, due) in enumerate(zip(requests, arrivals, strict=True)):
-        delay = start + due - time.perf_counter()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        tasks.append(asyncio.create_task(one(index, request, due)))
-    records = await asyncio.gather(*tasks)
-    return ScheduleResult(list(records), time.perf_counter() - start)
+    wall_s = await loops.open_loop(arrivals, one)
+    return ScheduleResult(sorted(records, key=lambda r: r.index), wall_s)
 
 
 def _round(value: float | None) -> float | None:

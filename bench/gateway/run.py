@@ -22,10 +22,6 @@ counted against the 200 responses.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
-import os
-import platform
 import statistics
 import tempfile
 import time
@@ -36,17 +32,17 @@ from typing import Any
 import httpx
 from sqlalchemy.engine import make_url
 
-from bench.gateway_load import Probe, Samples, closed_loop, make_client, open_loop
-from bench.gateway_server import (
+from bench.gateway.load import Probe, Samples, closed_loop, make_client, open_loop
+from bench.gateway.server import (
     Server,
     UsageCheck,
     check_usage,
     flush_redis,
     running_servers,
 )
-from bench.workload import percentile
+from bench.harness.report import machine_description, save_report
+from bench.harness.workload import percentile
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/13"
 SCENARIOS = ("health", "chat", "chat-no-auth", "chat-sustained")
 AIM_ADDED_P50_MS = 5.0
@@ -305,7 +301,7 @@ def run_gateway(opts: GatewayOptions) -> GatewayReport:
     )
     if not opts.quiet:
         print_report(report)
-    write_report(report, opts.output)
+    save_report(report.to_json(), "gateway", opts.output)
     return report
 
 
@@ -347,21 +343,3 @@ def print_report(report: GatewayReport) -> None:
     verdict = "met" if report.aim_met else "NOT met"
     print(f"aim (median added p50 < {AIM_ADDED_P50_MS:g} ms at the target rate): {verdict}")
 
-
-def write_report(report: GatewayReport, output: Path | None) -> Path:
-    path = output or RESULTS_DIR / f"gateway-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report.to_json(), indent=2) + "\n")
-    print(f"wrote {path}")
-    return path
-
-
-def machine_description() -> str:
-    cpu = platform.processor() or platform.machine()
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.partition(":")[2].strip()
-                break
-    return (f"{cpu}, cores={os.cpu_count()}, python={platform.python_version()}, "
-            f"{platform.system()} {platform.release()}")

@@ -12,7 +12,7 @@ First the mix runs closed-loop (`--capacity-concurrency` clients) to measure cap
 requests/s; then it runs open-loop (Poisson arrivals) at `--load-fraction` of that for the
 soak's duration. Before the load and after it (once the engine is idle) the process's RSS,
 open file descriptors, threads, KV blocks in use, pinned adapters, database connections and
-Redis keys are compared (bench/soak_probes.py); after SIGTERM the usage rows must be exactly
+Redis keys are compared (bench/soak/probes.py); after SIGTERM the usage rows must be exactly
 the successful responses. A leak or an unexpected answer fails the run.
 """
 
@@ -22,11 +22,9 @@ import asyncio
 import contextlib
 import itertools
 import json
-import os
 import random
 import secrets
 import subprocess
-import sys
 import tempfile
 import time
 from collections import Counter
@@ -38,18 +36,17 @@ import httpx
 from sqlalchemy import create_engine, text
 from sqlalchemy.pool import NullPool
 
-from bench.adapters import write_random_adapter
-from bench.fairness import _model_dir_args
-from bench.server import free_port, wait_ready
-from bench.soak_probes import Check, Snapshot, leak_checks, rss_bytes, snapshot
-from bench.soak_traffic import TENANT_MAX_TOKENS, Outcome, Traffic, TrafficShape
-from bench.throughput import machine_description
-from bench.workload import median, percentile
+from bench.harness import loops
+from bench.harness.adapters import write_random_adapter
+from bench.harness.report import machine_description, save_report
+from bench.harness.server import checkout_model_args, clean_env, loraplex_serve
+from bench.harness.workload import median, percentile
+from bench.soak.probes import Check, Snapshot, leak_checks, rss_bytes, snapshot
+from bench.soak.traffic import TENANT_MAX_TOKENS, Outcome, Traffic, TrafficShape
 from engine.config import default_data_dir
 from engine.models.loader import load_model_config, resolve_model_dir
 
 DEFAULT_KV_CACHE_TOKENS = 8192
-_ENV_DROP = ("DATABASE_URL", "REDIS_URL", "LORAPLEX_NO_AUTH", "LORAPLEX_DATA_DIR")
 
 
 @dataclass(slots=True)
@@ -111,18 +108,10 @@ class SoakServer:
 
 async def closed_loop(traffic: Traffic, concurrency: int, duration_s: float) -> float:
     """The mix with `concurrency` clients back to back; returns requests/s."""
-    deadline = time.perf_counter() + duration_s
-    done = 0
-
-    async def client() -> None:
-        nonlocal done
-        while time.perf_counter() < deadline:
-            await traffic.one("capacity")
-            done += 1
-
-    started = time.perf_counter()
-    await asyncio.gather(*(client() for _ in range(concurrency)))
-    return done / (time.perf_counter() - started)
+    done, wall_s = await loops.closed_loop(
+        lambda: traffic.one("capacity"), concurrency, duration_s
+    )
+    return done / wall_s
 
 
 async def open_loop(
@@ -197,31 +186,29 @@ def soak_server(opts: SoakOptions, data_dir: Path, timeout_s: float = 300.0
 
         with redis.Redis.from_url(opts.redis_url) as client:
             client.flushdb()
-    env = {k: v for k, v in os.environ.items() if k.upper() not in _ENV_DROP}
-    env.update(LORAPLEX_ADMIN_KEY=admin_key, LORAPLEX_SECRET_KEY=secrets.token_hex(32),
-               LORAPLEX_DATA_DIR=str(data_dir), DATABASE_URL=database_url)
+    env = clean_env(LORAPLEX_ADMIN_KEY=admin_key, LORAPLEX_SECRET_KEY=secrets.token_hex(32),
+                    LORAPLEX_DATA_DIR=str(data_dir), DATABASE_URL=database_url)
     if opts.redis_url:
         env["REDIS_URL"] = opts.redis_url
-    port = free_port()
     serve_args = list(opts.serve_args)
     if "--kv-cache-tokens" not in serve_args:
         # NOTE: the KV cache is paged in lazily, block by block as requests first use
         # them: a cache small enough for the capacity phase to use all of it is in the
         # baseline's RSS, instead of growing into the load's as a false leak.
         serve_args += ["--kv-cache-tokens", str(DEFAULT_KV_CACHE_TOKENS)]
-    cmd = [sys.executable, "-c", "from app.cli import main; main()", "serve", "--port",
-           str(port), *_model_dir_args(["--model", opts.model, *serve_args])]
     log_path = data_dir / "serve.log"
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
-    server = SoakServer(proc, f"http://127.0.0.1:{port}", admin_key, database_url, log_path)
-    try:
-        wait_ready(proc, server.base_url, timeout_s, log=log_path)
-        yield server
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(30)
+    # The run stops the server itself (SIGTERM, and reads its exit code); a run that
+    # failed before that leaves it to be killed here.
+    with loraplex_serve(checkout_model_args(["--model", opts.model, *serve_args]), env=env,
+                        no_auth=False, log_path=log_path, timeout_s=timeout_s,
+                        stopper=_kill) as launched:
+        yield SoakServer(launched.proc, launched.base_url, admin_key, database_url, log_path)
+
+
+def _kill(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait(30)
 
 
 def _wait_idle(server: SoakServer, timeout_s: float = 60.0) -> None:
@@ -313,12 +300,9 @@ def run_soak(opts: SoakOptions) -> SoakReport:
         ok=all(c.ok for c in checks) and not unexpected and skipped == 0 and exit_code == 0,
     )
     _print_report(report)
-    output = opts.output or Path("bench/results") / f"soak-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    output.parent.mkdir(parents=True, exist_ok=True)
     written = asdict(report)
     written["checks"] = [{**asdict(c), "ok": c.ok} for c in checks]
-    output.write_text(json.dumps(written, indent=2))
-    print(f"report: {output}", flush=True)
+    save_report(written, "soak", opts.output)
     return report
 
 

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import statistics
 import time
 from dataclasses import dataclass, field
 
 import httpx
+
+from bench.harness.sse import EventStream, TokenClock
 
 
 @dataclass(slots=True)
@@ -114,33 +115,22 @@ async def _one_stream(
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    start = time.perf_counter()
-    first: float | None = None
-    last = start
-    gaps: list[float] = []
+    clock = TokenClock(time.perf_counter())
     num_output_tokens = 0
     async with client.stream("POST", "/v1/completions", json=body) as resp:
         if resp.status_code != 200:
             raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread()).decode()}")
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            now = time.perf_counter()
+        async for chunk in EventStream(resp):
             if chunk.get("choices"):
-                if first is None:
-                    first = now
-                else:
-                    gaps.append(now - last)
-                last = now
+                clock.tick()
             if chunk.get("usage"):
                 num_output_tokens = chunk["usage"]["completion_tokens"]
     end = time.perf_counter()
     return RequestTiming(
-        ttft_s=(first or end) - start,
-        e2e_s=end - start,
+        ttft_s=clock.ttft_s(end),
+        e2e_s=end - clock.start,
         num_output_tokens=num_output_tokens,
-        token_gaps_s=gaps,
+        token_gaps_s=clock.gaps,
     )
 
 

@@ -1,6 +1,6 @@
 """Hostile grammars, each compiled in a worker subprocess under a deadline.
 
-A worker (`python -m bench.grammar_hostile LIBRARY MODEL_DIR VOCAB_SIZE`, the cases as
+A worker (`python -m bench.grammar.hostile LIBRARY MODEL_DIR VOCAB_SIZE`, the cases as
 JSON on stdin) builds one library's tokenizer, prints `ready`, then one JSON line per case:
 compile time, first mask time, the probe string fed token by token, or the library's error.
 The parent waits for each line at most `timeout_s`; a worker past it is killed, the case
@@ -22,8 +22,8 @@ from typing import IO, Any
 
 import torch
 
-from bench.grammar_backends import GrammarBackend, GrammarError
-from bench.grammar_cases import GrammarCase, HostileCase
+from bench.grammar.backends import GrammarBackend, GrammarError
+from bench.grammar.cases import GrammarCase, HostileCase
 
 SETUP_TIMEOUT_S = 120.0
 _ERROR_CHARS = 400
@@ -57,7 +57,7 @@ def _run_worker(library: str, model_dir: Path, vocab_size: int, cases: list[Host
     """Results for a prefix of `cases`: up to the first that times out or crashes."""
     with tempfile.TemporaryFile("w+") as stderr:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "bench.grammar_hostile", library, str(model_dir),
+            [sys.executable, "-m", "bench.grammar.hostile", library, str(model_dir),
              str(vocab_size)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, text=True,
         )
@@ -145,7 +145,7 @@ def _measure(backend: GrammarBackend, library: str, case: HostileCase,
 def _worker(library: str, model_dir: str, vocab_size: int) -> None:
     from transformers import AutoTokenizer
 
-    from bench.grammar_backends import make_backends
+    from bench.grammar.backends import make_backends
 
     cases = [HostileCase(**c) for c in json.loads(sys.stdin.read())]
     hf_tokenizer = AutoTokenizer.from_pretrained(model_dir)

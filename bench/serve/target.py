@@ -4,8 +4,6 @@ it starts with random rank-16 PEFT adapters (and whose pid it keeps, for its RSS
 from __future__ import annotations
 
 import contextlib
-import subprocess
-import sys
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -13,11 +11,10 @@ from pathlib import Path
 
 import httpx
 
+from bench.harness.server import loraplex_serve, model_name
 from bench.lora import make_adapters
-from bench.serve_client import Target
-from bench.serve_options import ServeOptions
-from bench.server import free_port, stop, wait_ready
-from bench.throughput import model_name
+from bench.serve.client import Target
+from bench.serve.options import ServeOptions
 from engine.config import default_data_dir
 from engine.models.loader import ModelLoadError, load_model_config, resolve_model_dir
 
@@ -67,19 +64,10 @@ def open_target(opts: ServeOptions) -> Iterator[LiveTarget]:
 def started_server(serve_args: list[str], *, timeout_s: float = 600.0) -> Iterator[StartedServer]:
     """A `loraplex serve --no-auth` started with `serve_args`, stopped at the end. Its log
     (a line per request) goes to a file, quoted if the server fails to start."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "app.cli", "serve", "--no-auth", "--port", str(port),
-           *serve_args]
-    base_url = f"http://127.0.0.1:{port}"
-    with tempfile.TemporaryDirectory(prefix="loraplex-bench-serve-") as tmp:
-        log_path = Path(tmp) / "serve.log"
-        with log_path.open("wb") as log:
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            wait_ready(proc, base_url, timeout_s, cmd=cmd, log=log_path)
-            yield StartedServer(base_url, proc.pid)
-        finally:
-            stop(proc)
+    with tempfile.TemporaryDirectory(prefix="loraplex-bench-serve-") as tmp, \
+            loraplex_serve(serve_args, log_path=Path(tmp) / "serve.log",
+                           timeout_s=timeout_s) as server:
+        yield StartedServer(server.base_url, server.pid)
 
 
 def _first_model(base_url: str, headers: dict[str, str]) -> str:

@@ -8,9 +8,9 @@ import statistics
 from collections import Counter
 from dataclasses import asdict, dataclass
 
-from bench.serve_client import RequestRecord
-from bench.serve_monitor import MonitorSummary
-from bench.workload import percentile
+from bench.harness.workload import percentile
+from bench.serve.client import RequestRecord
+from bench.serve.monitor import MonitorSummary
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,9 +8,9 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from bench.serve_stats import SLO, rate_label
-from bench.serve_workload import parse_rates
-from bench.throughput import jsonable
+from bench.harness.report import jsonable
+from bench.serve.stats import SLO, rate_label
+from bench.serve.workload import parse_rates
 
 DEFAULT_NUM_REQUESTS = 64
 

@@ -7,7 +7,7 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
-from bench.serve_stats import SLO, RateSummary, rate_label
+from bench.serve.stats import SLO, RateSummary, rate_label
 
 
 def _ms(seconds: float) -> str:

@@ -3,17 +3,17 @@
 For each library, with the model's own tokenizer (SmolLM2: vocabulary 49,152):
 
 - the tokenizer info built from the Hugging Face tokenizer, once;
-- compile time of every case in `bench/grammar_cases.py` (JSON schemas, JSON object mode,
+- compile time of every case in `bench/grammar/cases.py` (JSON schemas, JSON object mode,
   regexes): cold (caches dropped first) and cached (the same case again), p50/p99 over
   `compile_runs`, and the first mask of a fresh matcher after each (llguidance builds its
   lexer lazily, so part of its compile shows there);
-- a decode loop (`bench/grammar_driver.py`) of `batch_size` rows over every case at once
+- a decode loop (`bench/grammar/driver.py`) of `batch_size` rows over every case at once
   ("mixed") and, unless `case_steps` is 0, of every case alone: per step, filling the whole
   batch's bitmask, applying it to [B, V] float32 logits (plain torch ops and the library's
   helper), advancing the matchers; in the mixed run also the serial fill, a one-token
   rollback, the jump-forward query, and the fill from a thread while the main thread runs a
   decode-sized matmul (does the library release the GIL?);
-- hostile grammars (`bench/grammar_hostile.py`), each in a worker subprocess under a
+- hostile grammars (`bench/grammar/hostile.py`), each in a worker subprocess under a
   deadline: compile time, or the library's error, or the timeout.
 
 Every document the loop finishes is checked: it parses and validates against its schema
@@ -22,7 +22,6 @@ Every document the loop finishes is checked: it parses and validates against its
 
 from __future__ import annotations
 
-import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -31,15 +30,14 @@ from typing import Any
 
 import torch
 
-from bench.grammar_backends import GrammarBackend, GrammarError, library_requires, make_backends
-from bench.grammar_cases import CASES, GrammarCase, hostile_cases
-from bench.grammar_driver import BatchRun, DriveOptions, Driver, Stats
-from bench.grammar_hostile import HostileResult, run_hostile
-from bench.throughput import machine_description
+from bench.grammar.backends import GrammarBackend, GrammarError, library_requires, make_backends
+from bench.grammar.cases import CASES, GrammarCase, hostile_cases
+from bench.grammar.driver import BatchRun, DriveOptions, Driver, Stats
+from bench.grammar.hostile import HostileResult, run_hostile
+from bench.harness.report import machine_description, save_report
 from engine.config import default_data_dir
 from engine.models.loader import load_model_config, resolve_model_dir
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
 LIBRARIES = ("xgrammar", "llguidance")
 
 
@@ -202,7 +200,7 @@ def run_grammar(options: GrammarOptions) -> GrammarReport:
     )
     if not options.quiet:
         print_report(report)
-    write_report(report, options.output, say)
+    save_report(report.to_json(), "grammar", options.output, say=say)
     return report
 
 
@@ -259,14 +257,6 @@ def print_report(report: GrammarReport) -> None:
             figures += f", probe {h.probe_tokens} tokens {h.probe_ms:.1f} ms"
         error = f" {h.error[:100]!r}" if h.error else ""
         print(f"{h.case:<24}{h.library:<12}{h.status:<8} {figures}{error}")
-
-
-def write_report(report: GrammarReport, output: Path | None, say: Any = print) -> Path:
-    path = output or RESULTS_DIR / f"grammar-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report.to_json(), indent=2) + "\n")
-    say(f"wrote {path}")
-    return path
 
 
 def _ms(start: float) -> float:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from bench.grammar_cases import GrammarCase
+from bench.grammar.cases import GrammarCase
 
 
 class GrammarError(Exception):

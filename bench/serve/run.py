@@ -16,28 +16,26 @@ random rank-16 PEFT adapters; with one it starts nothing and loads that server.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import httpx
 
-from bench.serve_client import RequestRecord, Target, run_schedule, send_stream
-from bench.serve_monitor import ServerMonitor
-from bench.serve_options import ServeOptions
-from bench.serve_report import plot_sweep, rate_table, sweep_table
-from bench.serve_stats import RateSummary, summarize
-from bench.serve_target import LiveTarget, open_target
-from bench.serve_workload import (
+from bench.harness.report import machine_description, save_report
+from bench.serve.client import RequestRecord, Target, run_schedule, send_stream
+from bench.serve.monitor import ServerMonitor
+from bench.serve.options import ServeOptions
+from bench.serve.report import plot_sweep, rate_table, sweep_table
+from bench.serve.stats import RateSummary, summarize
+from bench.serve.target import LiveTarget, open_target
+from bench.serve.workload import (
     MixOptions,
     ServeRequest,
     arrival_times,
     build_requests,
     load_dataset,
 )
-from bench.throughput import machine_description
 
 
 @dataclass(slots=True)
@@ -91,10 +89,7 @@ def run_serve(opts: ServeOptions) -> ServeReport:
         started_server=live.pid is not None, runs=runs,
     )
     print(sweep_table([run.summary for run in runs]), flush=True)
-    output = opts.output or Path("bench/results") / f"serve-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(json.dumps(report.to_json(), indent=2))
-    print(f"report: {output}", flush=True)
+    save_report(report.to_json(), "serve", opts.output)
     if opts.plot is not None:
         plot_sweep([run.summary for run in runs], opts.slo, opts.plot)
         print(f"plot: {opts.plot}", flush=True)

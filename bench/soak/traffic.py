@@ -4,7 +4,6 @@ Outcome, and its adapter uploads."""
 from __future__ import annotations
 
 import io
-import json
 import random
 import tarfile
 import time
@@ -12,6 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+
+from bench.harness.sse import EventStream
 
 # kind -> weight in the mix; "lora" is a plain completion on the tenant's adapter.
 MIX: dict[str, float] = {"plain": 0.35, "stream": 0.30, "cut": 0.15, "lora": 0.10, "bad": 0.10}
@@ -100,17 +101,13 @@ class Traffic:
                 outcome.expected = False
                 outcome.detail = (await response.aread()).decode(errors="replace")[:200]
                 return
-            num_chunks, done = 0, False
-            async for line in response.aiter_lines():
-                if line == "data: [DONE]":
-                    done = True
-                    break
-                if line.startswith("data: "):
-                    outcome.response_id = json.loads(line[6:]).get("id", outcome.response_id)
-                    num_chunks += 1
-                    if cut_after is not None and num_chunks >= cut_after:
-                        return  # leaving the block closes the connection mid-stream
-            if not done:
+            num_chunks, events = 0, EventStream(response)
+            async for event in events:
+                outcome.response_id = event.get("id", outcome.response_id)
+                num_chunks += 1
+                if cut_after is not None and num_chunks >= cut_after:
+                    return  # leaving the block closes the connection mid-stream
+            if not events.done:
                 outcome.expected, outcome.detail = False, "stream ended without [DONE]"
 
     async def _bad(self, outcome: Outcome) -> None:

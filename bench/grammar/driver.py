@@ -24,9 +24,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from bench.grammar_backends import GrammarBackend, TorchBitmaskApply
-from bench.grammar_cases import GrammarCase
-from bench.workload import percentile
+from bench.grammar.backends import GrammarBackend, TorchBitmaskApply
+from bench.grammar.cases import GrammarCase
+from bench.harness.workload import percentile
 
 _FOLLOW_BONUS = 1e4
 _QUOTE_BONUS = 4.0

@@ -1,6 +1,6 @@
 """The gateway benchmark's servers: an instant engine behind the real app, in subprocesses.
 
-`python -m bench.gateway_server` is one such server, configured by the environment
+`python -m bench.gateway.server` is one such server, configured by the environment
 (LORAPLEX_*, DATABASE_URL, REDIS_URL) exactly as `loraplex serve` reads it.
 """
 
@@ -20,9 +20,9 @@ from pathlib import Path
 
 import httpx
 
-from bench.server import free_port
+from bench.harness.server import free_port
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 # A limit no run reaches: every request still runs the whole Lua admission and settle.
 _UNREACHED = {"rpm": 10**9, "tpm": 10**12, "max_concurrency": 10**6, "monthly_tokens": 10**15}
 # Set here for each server; never inherited from the caller's environment.
@@ -96,7 +96,7 @@ def start_server(name: str, data_dir: Path, *, no_auth: bool, admin_key: str,
     log_path = data_dir / "server.log"
     with log_path.open("wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "bench.gateway_server"],
+            [sys.executable, "-m", "bench.gateway.server"],
             cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
         )
     return Server(name, f"http://127.0.0.1:{port}", proc, log_path, database_url)

@@ -12,14 +12,13 @@ grammar costs to compile, and whether SmolLM2 under a grammar answers valid docu
   (a new spec each run: one property renamed) and cached (the same spec again).
 - Validity: a server with the demo adapters (trained once by `loraplex demo`, reused
   from its cache, or trained here), `schema_requests` strict json_schema requests over
-  the shapes of `bench/structured_cases.py` and `tool_requests` `tool_choice: "required"`
+  the shapes of `bench/structured/cases.py` and `tool_requests` `tool_choice: "required"`
   calls over its tool sets, sampled (temperature 0.8, a seed each); every answer is
   parsed and validated with jsonschema; failures are listed with their output.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import time
@@ -27,27 +26,26 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from bench.harness.report import machine_description, save_report
 from bench.lora import make_adapters
-from bench.structured_cases import (
+from bench.structured.cases import (
     LOAD_PROMPTS,
     LOAD_SCHEMA,
     chat_body,
     compile_schema,
     schema_format,
 )
-from bench.structured_load import (
+from bench.structured.load import (
     ChatCall,
     LoadSummary,
     scrape_counters,
     scratch_server,
     stream_load,
 )
-from bench.structured_validity import Validity, run_validity, validity_adapters
-from bench.throughput import machine_description
+from bench.structured.validity import Validity, run_validity, validity_adapters
 from engine.config import default_data_dir
 from engine.models.loader import load_model_config, resolve_model_dir
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
 TPOT_TARGET = 1.15  # constrained / free TPOT p50 the feature is held to
 _STRUCTURED = "loraplex_structured_requests_total"
 
@@ -204,7 +202,7 @@ def ratios(runs: list[LoadRun]) -> dict[str, Any]:
 
 
 def _stats(samples_s: list[float]) -> dict[str, float]:
-    from bench.workload import percentile
+    from bench.harness.workload import percentile
 
     ordered = sorted(s * 1e3 for s in samples_s)
     return {"n": len(ordered), "p50": round(percentile(ordered, 50), 3),
@@ -283,10 +281,7 @@ def run_structured(options: StructuredOptions) -> StructuredReport:
         runs=runs, **ratios(runs), compile=compile_figures, validity=validity)
     if not opts.quiet:
         print_report(report)
-    path = opts.output or RESULTS_DIR / f"structured-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report.to_json(), indent=2) + "\n")
-    say(f"wrote {path}")
+    save_report(report.to_json(), "structured", opts.output, say=say)
     return report
 
 

@@ -1,0 +1,1 @@
+"""`loraplex bench grammar`: grammar-constrained decoding, llguidance against xgrammar."""

@@ -1,0 +1,2 @@
+"""The plumbing every benchmark shares: the server it starts, the load it sends, the
+adapters it makes, the report it writes."""

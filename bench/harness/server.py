@@ -1,0 +1,198 @@
+"""Start `loraplex serve` in a subprocess for a benchmark and stop it afterwards."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from engine.config import default_data_dir
+from engine.models.loader import resolve_model_dir
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM (the server drains), then SIGKILL after a minute."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def wait_ready(
+    proc: subprocess.Popen[bytes],
+    base_url: str,
+    timeout_s: float,
+    *,
+    cmd: list[str] | None = None,
+    log: Path | None = None,
+    ready_path: str = "/ready",
+) -> None:
+    """Poll `base_url` + `ready_path` until it answers 200. Raises if `proc` exits first (naming
+    `cmd` and quoting the tail of `log`, where given) or after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            detail = "" if cmd is None else f": {' '.join(cmd)}"
+            if log is not None:
+                detail += "\n" + log.read_text(errors="replace")[-4000:]
+            raise RuntimeError(f"server exited with {proc.returncode}{detail}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{base_url}{ready_path}", timeout=2).status_code == 200:
+                return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"server not ready after {timeout_s:.0f}s")
+        time.sleep(0.5)
+
+
+# As the `loraplex` console script starts the CLI (app.cli imported, not run as __main__).
+CLI_LAUNCHER = "from app.cli import main; main()"
+# What a server started on a data directory of its own must not inherit from the caller.
+ENV_DROP = ("DATABASE_URL", "REDIS_URL", "LORAPLEX_NO_AUTH", "LORAPLEX_DATA_DIR")
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchedServer:
+    base_url: str
+    proc: subprocess.Popen[bytes]
+    log_path: Path | None  # its stdout and stderr; None: the caller's
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+
+def clean_env(**settings: str) -> dict[str, str]:
+    """This process's environment without ENV_DROP, plus `settings`."""
+    env = {k: v for k, v in os.environ.items() if k.upper() not in ENV_DROP}
+    env.update(settings)
+    return env
+
+
+def checkout_model_args(serve_args: Sequence[str]) -> list[str]:
+    """`--model default` names the bundled model under the data directory; a server with
+    a temporary one gets the checkout's converted directory itself (no second
+    conversion per run)."""
+    args = list(serve_args)
+    for index, arg in enumerate(args[:-1]):
+        if arg == "--model" and args[index + 1] == "default":
+            args[index + 1] = str(resolve_model_dir("default", default_data_dir()))
+    return args
+
+
+@contextlib.contextmanager
+def launched(
+    cmd: Sequence[str], base_url: str, *, env: Mapping[str, str] | None = None,
+    log_path: Path | None = None, timeout_s: float = 300.0, ready_path: str = "/ready",
+    cwd: Path | None = None, stopper: Callable[[subprocess.Popen[bytes]], None] | None = None,
+) -> Iterator[LaunchedServer]:
+    """`cmd` in a subprocess (output to `log_path`, quoted if it fails to start), ready
+    once `base_url` + `ready_path` answers 200; stopped by `stopper` (default: `stop`)
+    when the block ends."""
+    with contextlib.ExitStack() as stack:
+        log = None if log_path is None else stack.enter_context(log_path.open("wb"))
+        proc = subprocess.Popen(
+            list(cmd), env=None if env is None else dict(env), cwd=cwd, stdout=log,
+            stderr=None if log is None else subprocess.STDOUT,
+        )
+        try:
+            wait_ready(proc, base_url, timeout_s, cmd=list(cmd), log=log_path,
+                       ready_path=ready_path)
+            yield LaunchedServer(base_url, proc, log_path)
+        finally:
+            (stopper or stop)(proc)
+
+
+@contextlib.contextmanager
+def loraplex_serve(
+    serve_args: Sequence[str], *, env: Mapping[str, str] | None = None,
+    log_path: Path | None = None, timeout_s: float = 300.0, no_auth: bool = True,
+    stopper: Callable[[subprocess.Popen[bytes]], None] | None = None,
+) -> Iterator[LaunchedServer]:
+    """`loraplex serve [--no-auth] --port P` + `serve_args`, on a free port."""
+    port = free_port()
+    cmd = [sys.executable, "-c", CLI_LAUNCHER, "serve", *(["--no-auth"] if no_auth else []),
+           "--port", str(port), *serve_args]
+    with launched(cmd, f"http://127.0.0.1:{port}", env=env, log_path=log_path,
+                  timeout_s=timeout_s, stopper=stopper) as server:
+        yield server
+
+
+@contextlib.contextmanager
+def running_server(
+    serve_args: list[str],
+    *,
+    timeout_s: float = 300.0,
+    env: dict[str, str] | None = None,
+    on_start: Callable[[subprocess.Popen[bytes]], None] | None = None,
+) -> Iterator[str]:
+    """Yield the base URL of a `loraplex serve --no-auth` started with `serve_args`.
+    on_start: handed the server's process once it is ready (its pid, for RSS)."""
+    with loraplex_serve(serve_args, env={**os.environ, **(env or {})},
+                        timeout_s=timeout_s) as server:
+        if on_start is not None:
+            on_start(server.proc)
+        yield server.base_url
+
+
+def engine_counters(base_url: str, headers: dict[str, str] | None = None) -> dict[str, float]:
+    """The engine's cumulative counters from /metrics that the figures divide."""
+    wanted = (
+        "loraplex_engine_steps_total", "loraplex_engine_step_seconds_total",
+        "loraplex_prompt_tokens_total", "loraplex_generation_tokens_total",
+        "loraplex_prefix_cache_hits_total", "loraplex_prefix_cache_queries_total",
+    )
+    values = dict.fromkeys(wanted, 0.0)
+    text = httpx.get(f"{base_url}/metrics", timeout=10, headers=headers).text
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        base = name.split("{", 1)[0]
+        if base in values:
+            values[base] += float(value)
+    return values
+
+
+@dataclass(slots=True)
+class ProcessMemory:
+    """Resident memory of a process, from /proc/PID/status (Linux), in MiB."""
+
+    pid: int
+
+    def read(self) -> dict[str, int]:
+        """VmRSS (now) and VmHWM (the peak so far); {} where /proc has no such process."""
+        try:
+            text = Path(f"/proc/{self.pid}/status").read_text()
+        except OSError:
+            return {}
+        found: dict[str, int] = {}
+        for line in text.splitlines():
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                found[key] = int(value.split()[0]) // 1024
+        return found
+
+    def rss_mb(self) -> int | None:
+        return self.read().get("VmRSS")
+
+    def peak_rss_mb(self) -> int | None:
+        return self.read().get("VmHWM")
+
+
+def model_name(base_url: str) -> str:
+    """The first model the server at `base_url` lists (its base model)."""
+    return str(httpx.get(f"{base_url}/v1/models", timeout=10).json()["data"][0]["id"])

@@ -1,0 +1,59 @@
+"""Reading an OpenAI-style event stream as a benchmark client: its JSON events up to
+`data: [DONE]`, and when its tokens arrived."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+
+class EventStream:
+    """The JSON events of one streamed response (`data: {...}` lines, other lines
+    skipped), ending at `data: [DONE]`; `done` says whether that line came."""
+
+    def __init__(self, response: httpx.Response) -> None:
+        self.response = response
+        self.done = False
+
+    async def __aiter__(self) -> AsyncIterator[dict[str, Any]]:
+        async for line in self.response.aiter_lines():
+            if not line.startswith("data:"):
+                continue
+            payload = line[5:].strip()
+            if payload == "[DONE]":
+                self.done = True
+                return
+            yield json.loads(payload)
+
+
+@dataclass(slots=True)
+class TokenClock:
+    """When a stream's tokens arrived (time.perf_counter()): the first, and the gaps
+    between each and the next."""
+
+    start: float
+    first: float | None = None
+    last: float = field(init=False)
+    gaps: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.last = self.start
+
+    def tick(self) -> float:
+        """A token (or a chunk of them) arrived now; returns now."""
+        now = time.perf_counter()
+        if self.first is None:
+            self.first = now
+        else:
+            self.gaps.append(now - self.last)
+        self.last = now
+        return now
+
+    def ttft_s(self, end: float) -> float:
+        """To the first token; to `end` when none came."""
+        return (self.first if self.first is not None else end) - self.start

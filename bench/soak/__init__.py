@@ -1,0 +1,1 @@
+"""`loraplex bench soak`: minutes of mixed traffic, then whatever the server kept."""

@@ -1,0 +1,1 @@
+"""`loraplex bench structured`: structured outputs and tool calls in the served step."""
