@@ -30,6 +30,7 @@ import httpx
 
 from bench.harness.report import machine_description, print_row, save_report
 from bench.harness.server import checkout_model_args, clean_env, engine_counters, loraplex_serve
+from bench.harness.tenants import create_tenant
 from bench.harness.workload import (
     BenchRequest,
     RequestTiming,
@@ -216,16 +217,8 @@ def authenticated_server(
 
 
 def tenant_key(base_url: str, admin_key: str, name: str, tier: str) -> str:
-    """Create a tenant (no quotas) and an API key for it through the admin API."""
-    with httpx.Client(base_url=base_url, headers=_bearer(admin_key), timeout=30) as admin:
-        response = admin.post(
-            "/admin/tenants", json={"name": name, "tier": tier, "isolation": "shared"}
-        )
-        response.raise_for_status()
-        tenant_id = response.json()["id"]
-        response = admin.post(f"/admin/tenants/{tenant_id}/keys", json={"name": "bench"})
-        response.raise_for_status()
-        return str(response.json()["key"])
+    """Create a tenant (its tier's quotas) and an API key for it through the admin API."""
+    return create_tenant(base_url, admin_key, name, tier=tier).key
 
 
 async def _model_name(client: httpx.AsyncClient) -> str:

@@ -13,14 +13,12 @@ import secrets
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
-
-from bench.harness.server import free_port
+from bench.harness.server import free_port, wait_ready
+from bench.harness.tenants import create_tenant
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # A limit no run reaches: every request still runs the whole Lua admission and settle.
@@ -103,17 +101,8 @@ def start_server(name: str, data_dir: Path, *, no_auth: bool, admin_key: str,
 
 
 def wait_healthy(server: Server, timeout_s: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if server.proc.poll() is not None:
-            raise RuntimeError(f"{server.name} server exited with {server.proc.returncode}:\n"
-                               f"{server.log_path.read_text()[-3000:]}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{server.base_url}/health", timeout=2).status_code == 200:
-                return
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{server.name} server not healthy after {timeout_s:.0f}s")
-        time.sleep(0.2)
+    wait_ready(server.proc, server.base_url, timeout_s, cmd=[server.name],
+               log=server.log_path, ready_path="/health")
 
 
 def stop_servers(servers: list[Server], timeout_s: float = 60.0) -> None:
@@ -132,14 +121,8 @@ def stop_servers(servers: list[Server], timeout_s: float = 60.0) -> None:
 
 def setup_tenant(server: Server, admin_key: str) -> None:
     """One tenant with limits never reached, and an inference key, through the admin API."""
-    admin = {"Authorization": f"Bearer {admin_key}"}
-    with httpx.Client(base_url=server.base_url, headers=admin, timeout=30) as client:
-        tenant = client.post("/admin/tenants", json={"name": "bench", "quotas": _UNREACHED})
-        tenant.raise_for_status()
-        server.tenant_id = tenant.json()["id"]
-        key = client.post(f"/admin/tenants/{server.tenant_id}/keys", json={"name": "bench"})
-        key.raise_for_status()
-    server.headers = {"Authorization": f"Bearer {key.json()['key']}"}
+    made = create_tenant(server.base_url, admin_key, "bench", quotas=_UNREACHED)
+    server.tenant_id, server.headers = made.tenant_id, made.headers
 
 
 def serve_main() -> None:

@@ -40,6 +40,7 @@ from bench.harness import loops
 from bench.harness.adapters import write_random_adapter
 from bench.harness.report import machine_description, save_report
 from bench.harness.server import checkout_model_args, clean_env, loraplex_serve
+from bench.harness.tenants import create_tenant
 from bench.harness.workload import median, percentile
 from bench.soak.probes import Check, Snapshot, leak_checks, rss_bytes, snapshot
 from bench.soak.traffic import TENANT_MAX_TOKENS, Outcome, Traffic, TrafficShape
@@ -159,17 +160,10 @@ def _adapter_dirs(model_dir: Path, root: Path, rank: int) -> Iterator[Path]:
 
 def _create_tenant(base_url: str, admin_key: str) -> str:
     """A tenant with limits (none of them reached) and a key that may upload adapters."""
-    headers = {"Authorization": f"Bearer {admin_key}"}
-    with httpx.Client(base_url=base_url, headers=headers, timeout=30) as admin:
-        quotas = {"rpm": 1_000_000, "tpm": 1_000_000_000, "max_concurrency": 1024,
-                  "max_tokens": TENANT_MAX_TOKENS}
-        response = admin.post("/admin/tenants", json={
-            "name": "soak", "tier": "standard", "isolation": "shared", "quotas": quotas})
-        response.raise_for_status()
-        response = admin.post(f"/admin/tenants/{response.json()['id']}/keys", json={
-            "name": "soak", "scopes": ["inference", "adapters:write"]})
-        response.raise_for_status()
-        return str(response.json()["key"])
+    quotas = {"rpm": 1_000_000, "tpm": 1_000_000_000, "max_concurrency": 1024,
+              "max_tokens": TENANT_MAX_TOKENS}
+    return create_tenant(base_url, admin_key, "soak", quotas=quotas,
+                         scopes=["inference", "adapters:write"]).key
 
 
 @contextlib.contextmanager
