@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from bench.harness.report import machine_description, print_row
+from bench.harness.report import machine_description, print_row, write_report
 from engine.config import EngineConfig, default_data_dir
 from engine.core.model_runner import dtype_name
 from engine.models.loader import load_model_config, resolve_model_dir
@@ -444,7 +444,5 @@ def run_roofline(opts: RooflineOptions) -> dict[str, Any]:
     }
     for name, result in results.items():
         print(f"{name}: {json.dumps(result['parts_ms'])}", flush=True)
-    if opts.output is not None:
-        opts.output.parent.mkdir(parents=True, exist_ok=True)
-        opts.output.write_text(json.dumps(report, indent=2))
+    write_report(report, opts.output)
     return report

@@ -4,11 +4,12 @@ NOTE: the system C compiler builds each source with `-march=native` (so a build 
 valid on CPUs with the same instruction sets: the cache key holds the CPU's flags), into
 ~/.cache/loraplex/kernels (`KernelSettings.cache_dir` elsewhere). The sources are the .c
 files beside their loaders, with the headers here (`cpu_common.h`, and the `*_typed.h`
-each includes once per storage type). The kernels link the `libgomp.so.1` torch itself
-loads, so OpenMP regions share torch's thread pool, and ctypes releases the GIL for every
-call. Without a compiler, or when a build fails, the loader returns None and callers keep
-their torch path. `KernelSettings.enabled` False (`LORAPLEX_CPU_KERNELS=0`) turns every
-kernel off (the torch paths then run, for comparisons).
+each includes once per storage type through `cpu_each_type.h`). The kernels link the
+`libgomp.so.1` torch itself loads, so OpenMP regions share torch's thread pool, and
+ctypes releases the GIL for every call. Without a compiler, or when a build fails, the
+loader returns None and callers keep their torch path. `KernelSettings.enabled` False
+(`LORAPLEX_CPU_KERNELS=0`) turns every kernel off (the torch paths then run, for
+comparisons).
 """
 
 from __future__ import annotations

@@ -168,14 +168,6 @@ ATTEND_DPBF16(64, 3)
 ATTEND_DPBF16(128, 2)
 #endif
 
-#define scalar_t float
-#define SFX(name) name##_f32
-#include "cpu_decode_typed.h"
-#undef SFX
-#undef scalar_t
-
-#define scalar_t bf16_t
-#define SFX(name) name##_bf16
-#include "cpu_decode_typed.h"
-#undef SFX
-#undef scalar_t
+#define TYPED_HEADER "cpu_decode_typed.h"
+#include "cpu_each_type.h"
+#undef TYPED_HEADER

@@ -1,6 +1,6 @@
 /* Paged decode attention built once per storage type: the query, the cache and the output
    in `scalar_t`; scores, softmax and the weighted sum in float32. Included by
-   cpu_decode.c with scalar_t and SFX(name) defined (see cpu_ops_typed.h); no guard. */
+   cpu_decode.c once per type through cpu_each_type.h; no guard. */
 
 typedef struct {
     const scalar_t *query;

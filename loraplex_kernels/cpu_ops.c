@@ -28,17 +28,9 @@ void argmax_rows_f32(const float *logits, int64_t stride, int64_t num_rows, int6
     }
 }
 
-#define scalar_t float
-#define SFX(name) name##_f32
-#include "cpu_ops_typed.h"
-#undef SFX
-#undef scalar_t
-
-#define scalar_t bf16_t
-#define SFX(name) name##_bf16
-#include "cpu_ops_typed.h"
-#undef SFX
-#undef scalar_t
+#define TYPED_HEADER "cpu_ops_typed.h"
+#include "cpu_each_type.h"
+#undef TYPED_HEADER
 
 /* bf16 only: in float32 the torch op's rounding is kept (the exact-equality tests compare
    float32 with Hugging Face bit for bit), and it costs little there. */

@@ -1,6 +1,6 @@
-/* The kernels of cpu_ops.c built once per storage type: included with `scalar_t` the C
-   type and SFX(name) the name with its suffix (name_f32, name_bf16), so SFX(ld) and SFX(st)
-   are the matching load and store. No include guard: it is meant to be included twice.
+/* The kernels of cpu_ops.c built once per storage type (through cpu_each_type.h):
+   `scalar_t` the C type and SFX(name) the name with its suffix (name_f32, name_bf16), so
+   SFX(ld) and SFX(st) are the matching load and store. No include guard.
    bfloat16 is computed in float32 and rounded where the torch ops of the Hugging Face
    model round. */
 

@@ -63,11 +63,15 @@ def jsonable(value: Any) -> Any:
     return value
 
 
+def _write_json(path: Path, data: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2) + "\n")
+
+
 def write_report(report: dict[str, Any], output: Path | None) -> None:
     """The report as indented JSON at `output` (its folder made); nothing when None."""
     if output is not None:
-        output.parent.mkdir(parents=True, exist_ok=True)
-        output.write_text(json.dumps(report, indent=2))
+        _write_json(output, report)
 
 
 def print_row(label: str, row: object) -> None:
@@ -80,7 +84,6 @@ def save_report(
     """`data` as indented JSON at `output`, or at RESULTS_DIR/<name>-<timestamp>.json;
     says where, and returns the path."""
     path = output or RESULTS_DIR / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=2) + "\n")
+    _write_json(path, data)
     say(f"report: {path}")
     return path

@@ -99,7 +99,7 @@ def checkout_model_args(serve_args: Sequence[str]) -> list[str]:
 def launched(
     cmd: Sequence[str], base_url: str, *, env: Mapping[str, str] | None = None,
     log_path: Path | None = None, timeout_s: float = 300.0, ready_path: str = "/ready",
-    cwd: Path | None = None, stopper: Callable[[subprocess.Popen[bytes]], None] | None = None,
+    stopper: Callable[[subprocess.Popen[bytes]], None] | None = None,
 ) -> Iterator[LaunchedServer]:
     """`cmd` in a subprocess (output to `log_path`, quoted if it fails to start), ready
     once `base_url` + `ready_path` answers 200; stopped by `stopper` (default: `stop`)
@@ -107,7 +107,7 @@ def launched(
     with contextlib.ExitStack() as stack:
         log = None if log_path is None else stack.enter_context(log_path.open("wb"))
         proc = subprocess.Popen(
-            list(cmd), env=None if env is None else dict(env), cwd=cwd, stdout=log,
+            list(cmd), env=None if env is None else dict(env), stdout=log,
             stderr=None if log is None else subprocess.STDOUT,
         )
         try:

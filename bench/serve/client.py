@@ -125,6 +125,7 @@ async def _read_stream(
     client: httpx.AsyncClient, body: dict[str, object], record: RequestRecord, start: float
 ) -> None:
     clock = TokenClock(start)
+    record.itl_s = clock.gaps  # filled as tokens arrive
     chunks = 0
     async with client.stream("POST", "/v1/completions", json=body) as response:
         record.status = response.status_code
@@ -138,9 +139,9 @@ async def _read_stream(
                 return
             if event.get("choices"):
                 chunks += 1
-                clock.tick()
-                record.ttft_s = clock.ttft_s(clock.last)
-                record.itl_s = clock.gaps
+                now = clock.tick()
+                if record.ttft_s is None:
+                    record.ttft_s = now - start
             usage = event.get("usage")
             if usage:
                 record.output_tokens = int(usage.get("completion_tokens") or 0)
