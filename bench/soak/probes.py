@@ -61,6 +61,10 @@ def rss_bytes(pid: int) -> int:
     return int(_proc_status(pid)["VmRSS"].split()[0]) * 1024
 
 
+def open_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
 def _fd_targets(pid: int) -> list[str]:
     targets = []
     for name in os.listdir(f"/proc/{pid}/fd"):
@@ -113,7 +117,7 @@ def snapshot(
     keys, leases = redis_state(redis_url) if redis_url else (None, None)
     return Snapshot(
         rss_bytes=rss_bytes(pid),
-        open_fds=len(os.listdir(f"/proc/{pid}/fd")),
+        open_fds=open_fds(pid),
         threads=int(status["Threads"]),
         kv_blocks_used=sum(w["num_total_blocks"] - w["num_free_blocks"] for w in workers),
         engine_requests=sum(w["num_running"] + w["num_waiting"] for w in workers),

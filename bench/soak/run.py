@@ -42,7 +42,7 @@ from bench.harness.report import machine_description, save_report
 from bench.harness.server import checkout_model_args, clean_env, loraplex_serve
 from bench.harness.tenants import create_tenant
 from bench.harness.workload import median, percentile
-from bench.soak.probes import Check, Snapshot, leak_checks, rss_bytes, snapshot
+from bench.soak.probes import Check, Snapshot, leak_checks, open_fds, rss_bytes, snapshot
 from bench.soak.traffic import TENANT_MAX_TOKENS, Outcome, Traffic, TrafficShape
 from engine.config import default_data_dir
 from engine.models.loader import load_model_config, resolve_model_dir
@@ -216,6 +216,25 @@ def _wait_idle(server: SoakServer, timeout_s: float = 60.0) -> None:
             break
         time.sleep(0.2)
     time.sleep(1.5)
+    _wait_fds_settled(server.proc.pid)
+
+
+def _wait_fds_settled(pid: int, timeout_s: float = 30.0, quiet_s: float = 1.5) -> None:
+    """Until the server's open file descriptors stop changing for quiet_s (or timeout_s).
+
+    NOTE: the client's closed connections reach the server's event loop a little later;
+    on a busy 2-core machine some were still open 1.5 s after the load, and the fd check
+    read them as a leak. A leak stays open, so it still shows once the count is steady.
+    """
+    deadline = time.monotonic() + timeout_s
+    count, since = -1, time.monotonic()
+    while time.monotonic() < deadline:
+        now = open_fds(pid)
+        if now != count:
+            count, since = now, time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
+            return
+        time.sleep(0.25)
 
 
 def _usage_request_ids(database_url: str) -> list[str]:

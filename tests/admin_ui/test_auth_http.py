@@ -222,9 +222,12 @@ async def test_repeated_failures_are_throttled(served_sqlite: Served) -> None:
 async def test_changes_need_the_sessions_csrf_token(served: Served) -> None:
     await login(served.client, ADMIN_KEY)
     token = await csrf_of(served.client)
+    # One character changed, whatever the token's first character is.
+    wrong = ("y" if token[0] == "x" else "x") + token[1:]
+    assert wrong != token
     for name, extra, headers in (
         ("no-token", {}, {}),
-        ("wrong-token", {"csrf_token": "x" + token[1:]}, {}),
+        ("wrong-token", {"csrf_token": wrong}, {}),
         ("wrong-header", {}, {"X-CSRF-Token": "nope"}),
     ):
         response = await served.client.post(
