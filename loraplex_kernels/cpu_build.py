@@ -39,10 +39,13 @@ SOURCE_DIR = Path(__file__).resolve().parent
 # NOTE: -fno-trapping-math lets the vectorizer turn a loop's compare-and-select (exp_f32's
 # clamps) into blends where there are no masked vector instructions: without it, on an
 # AVX2-only CPU, the SiLU loop stayed scalar (4x slower than torch's op at 32 rows). No
-# kernel reads the floating-point exception flags.
+# kernel reads the floating-point exception flags. -mprefer-vector-width=512: on AVX-512
+# CPUs gcc otherwise vectorizes with 256-bit registers; 512 made SiLU-and-multiply 1.1-1.35x
+# and RMSNorm 1.1-1.2x faster on an Intel Xeon with AMX (32 to 2,048 rows). CPUs without
+# AVX-512 have no 512-bit vectors and build as before.
 FLAGS = (
-    "-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-shared",
-    "-fPIC",
+    "-O3", "-march=native", "-mprefer-vector-width=512", "-fno-math-errno",
+    "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC",
 )
 
 

@@ -96,4 +96,31 @@ static inline __attribute__((always_inline)) float exp_f32(float x) {
     return er * scale.f;
 }
 
+/* A row into memory that is not read again soon (the K/V cache: a slot is written once,
+   and the cache is far larger than the CPU's caches). Whole 64-byte lines go out as
+   streaming stores, which skip reading each line from memory before writing it: that read
+   was 90% of the K/V write of a decode step (4.3 of 4.8 ms at 32 rows, 30 layers). Any
+   other row is copied. store_rows_done() orders the streaming stores before later loads
+   and stores of any thread. */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+static inline __attribute__((always_inline)) void store_row(void *dst, const void *src,
+                                                            int64_t nbytes) {
+    if (((uintptr_t)dst & 63) == 0 && (nbytes & 63) == 0) {
+        for (int64_t i = 0; i < nbytes; i += 64)
+            _mm512_stream_si512((void *)((char *)dst + i),
+                                _mm512_loadu_si512((const char *)src + i));
+    } else {
+        __builtin_memcpy(dst, src, (size_t)nbytes);
+    }
+}
+static inline __attribute__((always_inline)) void store_rows_done(void) { _mm_sfence(); }
+#else
+static inline __attribute__((always_inline)) void store_row(void *dst, const void *src,
+                                                            int64_t nbytes) {
+    __builtin_memcpy(dst, src, (size_t)nbytes);
+}
+static inline __attribute__((always_inline)) void store_rows_done(void) {}
+#endif
+
 #endif /* LORAPLEX_CPU_COMMON_H */

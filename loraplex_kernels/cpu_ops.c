@@ -7,6 +7,7 @@
 #include <stdlib.h>
 
 #define DESC_WIDTH (1 + 5 * MAX_SLICES)
+#define SILU_CHUNK 512 /* floats of silu_mul's denominators on the stack */
 
 /* logits [S, V] rows stride apart -> ids [S]: each row's first largest value, NaN ranked
    below every number; a row with no number above -inf gets 0. */

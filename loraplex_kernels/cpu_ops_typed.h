@@ -35,9 +35,16 @@ void SFX(silu_mul)(const scalar_t *gate_up, int64_t stride, scalar_t *out, int64
         const scalar_t *restrict g = gate_up + t * stride;
         const scalar_t *restrict u = g + inter;
         scalar_t *restrict o = out + t * inter;
-        for (int64_t i = 0; i < inter; i++) {
-            const float gi = SFX(ld)(g[i]);
-            o[i] = SFX(st)(SFX(ld)(SFX(st)(gi / (1.0f + exp_f32(-gi)))) * SFX(ld)(u[i]));
+        /* NOTE: the denominators in one loop, the quotients in another: gcc 12 made the
+           single loop (e^x, the divide and the product together) 12x slower on an Intel
+           Xeon with AMX (290 against 24 us for 32 rows of 1,536); on Zen 4 it was not. */
+        float den[SILU_CHUNK];
+        for (int64_t lo = 0; lo < inter; lo += SILU_CHUNK) {
+            const int64_t n = inter - lo < SILU_CHUNK ? inter - lo : SILU_CHUNK;
+            for (int64_t i = 0; i < n; i++) den[i] = 1.0f + exp_f32(-SFX(ld)(g[lo + i]));
+            for (int64_t i = 0; i < n; i++)
+                o[lo + i] = SFX(st)(SFX(ld)(SFX(st)(SFX(ld)(g[lo + i]) / den[i]))
+                                    * SFX(ld)(u[lo + i]));
         }
     }
 }
@@ -50,12 +57,16 @@ int SFX(write_kv)(const scalar_t *key, int64_t key_stride, const scalar_t *value
                int64_t num_threads) {
     for (int64_t t = 0; t < num_tokens; t++)
         if (slots[t] < 0 || slots[t] >= num_slots) return 1;
-#pragma omp parallel for num_threads(num_threads) if (num_tokens * row >= 262144)
-    for (int64_t t = 0; t < num_tokens; t++) {
-        __builtin_memcpy(key_cache + slots[t] * row, key + t * key_stride,
-                         sizeof(scalar_t) * row);
-        __builtin_memcpy(value_cache + slots[t] * row, value + t * value_stride,
-                         sizeof(scalar_t) * row);
+#pragma omp parallel num_threads(num_threads) if (num_tokens * row >= 262144)
+    {
+#pragma omp for
+        for (int64_t t = 0; t < num_tokens; t++) {
+            store_row(key_cache + slots[t] * row, key + t * key_stride,
+                      sizeof(scalar_t) * row);
+            store_row(value_cache + slots[t] * row, value + t * value_stride,
+                      sizeof(scalar_t) * row);
+        }
+        store_rows_done(); /* each thread its own streaming stores */
     }
     return 0;
 }

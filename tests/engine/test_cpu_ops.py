@@ -61,7 +61,7 @@ def test_rms_norm_module_takes_the_kernel_for_rows_and_torch_otherwise(
     assert calls == [1]
 
 
-@pytest.mark.parametrize(("rows", "inter"), [(1, 1536), (3, 7), (300, 1536)])
+@pytest.mark.parametrize(("rows", "inter"), [(1, 1536), (3, 7), (2, 1100), (300, 1536)])
 def test_silu_mul_matches_torch(rows: int, inter: int) -> None:
     gen = torch.Generator().manual_seed(rows + inter)
     gate_up = torch.randn(rows, 2 * inter + 5, generator=gen)[:, 5:] * 8  # strided rows
@@ -221,7 +221,7 @@ def test_bf16_rms_norm_matches_the_hf_formula(rows: int, hidden: int) -> None:
     assert (got == want).float().mean() > 0.97
 
 
-@pytest.mark.parametrize(("rows", "inter"), [(1, 1536), (3, 7), (300, 1536)])
+@pytest.mark.parametrize(("rows", "inter"), [(1, 1536), (3, 7), (2, 1100), (300, 1536)])
 def test_bf16_silu_mul_matches_the_hf_formula(rows: int, inter: int) -> None:
     gen = torch.Generator().manual_seed(rows + inter)
     gate_up = (torch.randn(rows, 2 * inter + 5, generator=gen) * 8)[:, 5:].bfloat16()
@@ -294,3 +294,32 @@ def test_bf16_rope_in_place_rotates_as_the_reference(tokens: int, heads: int,
     torch.testing.assert_close(qk.float(), want.float(), rtol=2 * BF16_HALF_ULP, atol=1e-30)
     assert (qk == want).float().mean() > 0.99
     assert torch.equal(qkv[:, heads * head_dim :], rest)  # only the rotated heads change
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("num_tokens", "head_dim", "offset"),
+    [
+        (40, 64, 0),  # whole 64-byte lines at aligned slots: streaming stores
+        (40, 8, 0),  # rows of 48 or 96 bytes: copied
+        (40, 64, 1),  # the cache one element off a line: copied
+        (2048, 64, 0),  # a prefill's rows, written by every thread
+    ],
+)
+def test_write_kv_streamed_or_copied_rows_land_in_their_slots(
+    dtype: torch.dtype, num_tokens: int, head_dim: int, offset: int
+) -> None:
+    gen = torch.Generator().manual_seed(num_tokens + head_dim + offset)
+    row = 3 * head_dim
+    qkv = torch.randn(num_tokens, 15 * head_dim, generator=gen).to(dtype)
+    key = qkv[:, 9 * head_dim : 12 * head_dim].view(num_tokens, 3, head_dim)
+    value = qkv[:, 12 * head_dim :].view(num_tokens, 3, head_dim)
+    num_blocks = -(-num_tokens // 16) + 4
+    slots = torch.randperm(num_blocks * 16, generator=gen)[:num_tokens]
+    # A cache starting `offset` elements into its storage (not on a 64-byte line).
+    got = [torch.full((num_blocks * 16 * row + offset,), 7.0, dtype=dtype)[offset:]
+           .view(num_blocks, 16, 3, head_dim) for _ in range(2)]
+    want = [torch.full((num_blocks, 16, 3, head_dim), 7.0, dtype=dtype) for _ in range(2)]
+    cpu_ops.write_kv(key, value, got[0], got[1], slots)
+    ref.write_kv_cache(key, value, want[0], want[1], slots)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
