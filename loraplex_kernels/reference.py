@@ -165,15 +165,33 @@ def prefill_attention_mask(query_len: int, context_len: int, device: torch.devic
     return ones.tril(diagonal=context_len - query_len)
 
 
+# causal_attention pads sequences of other dtypes than float32 to a multiple of this.
+CAUSAL_PAD = 16
+
+
 def causal_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float
 ) -> torch.Tensor:
     """A sequence with nothing cached before it. query [Q, H, D]; key, value [Q, KVH, D]."""
-    q, k, v = _heads_first(query, key, value)
+    q, k, v = _heads_first(query, key, value, repeat_kv=False)
+    length = q.shape[1]
+    padded = -(-length // CAUSAL_PAD) * CAUSAL_PAD
+    if q.dtype != torch.float32 and padded != length:
+        # NOTE: torch's CPU flash kernel is up to 2x slower on lengths that are not a
+        # multiple of 16 (its tail blocks): over prompts of 20-400 tokens in bf16, padding
+        # to one saves a third of the kernel's time. Zero rows after the last token change
+        # nothing the causal mask lets a real token see, but the kernel's blocking moves
+        # with the length, so sums round differently: float32 keeps the unpadded call, bit
+        # for bit what Hugging Face's model computes.
+        q, k, v = (F.pad(t, (0, 0, 0, padded - length)) for t in (q, k, v))
     # NOTE: 4-D inputs: torch's CPU flash kernel only takes batched heads; 3-D inputs
-    # fall back to the unfused math path, 2-3x slower on long prompts.
-    out = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=scale)
-    return out[0].transpose(0, 1)
+    # fall back to the unfused math path, 2-3x slower on long prompts. enable_gqa: each
+    # query head reads its KV head in place, with the same sums as repeated K/V (bit for
+    # bit) and without the copies (~4% of a 2,048-token bf16 prefill step).
+    out = F.scaled_dot_product_attention(
+        q[None], k[None], v[None], is_causal=True, scale=scale, enable_gqa=_gqa(q, k)
+    )
+    return out[0, :, :length].transpose(0, 1)
 
 
 def paged_prefill_attention(
@@ -198,18 +216,25 @@ def paged_prefill_attention(
     value = value_cache.index_select(0, ids).view(-1, num_kv_heads, head_dim)[:context_len]
     if mask is None:
         mask = prefill_attention_mask(query_len, context_len, query.device)
-    q, k, v = _heads_first(query, key, value)
-    out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, scale=scale)
+    q, k, v = _heads_first(query, key, value, repeat_kv=False)
+    out = F.scaled_dot_product_attention(
+        q[None], k[None], v[None], attn_mask=mask, scale=scale, enable_gqa=_gqa(q, k)
+    )
     return out[0].transpose(0, 1)
 
 
+def _gqa(query: torch.Tensor, key: torch.Tensor) -> bool:
+    """Whether SDPA must map query heads [H, ...] onto fewer KV heads [KVH, ...]."""
+    return query.shape[0] != key.shape[0]
+
+
 def _heads_first(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, repeat_kv: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    # [N, heads, D] -> [heads, N, D], with K/V repeated so each query head has its own.
+    # [N, heads, D] -> [heads, N, D]; repeat_kv: K/V repeated so each query head has its own.
     groups = query.shape[1] // key.shape[1]
     key, value = key.transpose(0, 1), value.transpose(0, 1)
-    if groups > 1:
+    if groups > 1 and repeat_kv:
         key = key.repeat_interleave(groups, dim=0)
         value = value.repeat_interleave(groups, dim=0)
     return query.transpose(0, 1), key, value

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from engine.config import EngineConfig
 from engine.core.model_runner import ModelRunner
@@ -96,6 +97,26 @@ def test_paged_prefill_attention_matches_dense(query_len: int, context_len: int)
     if query_len == context_len:
         fresh = ref.causal_attention(query, key, value, hd**-0.5)
         torch.testing.assert_close(fresh, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("length", [1, 15, 16, 17, 100, 345])
+def test_causal_attention_pads_bf16_only_and_matches_dense(length: int) -> None:
+    gen = torch.Generator().manual_seed(length)
+    query = torch.randn(length, 9, 64, generator=gen) * 2
+    key = torch.randn(length, 3, 64, generator=gen) * 2
+    value = torch.randn(length, 3, 64, generator=gen)
+    # float32: the unpadded call, bit for bit (what the Hugging Face oracle computes).
+    unpadded = F.scaled_dot_product_attention(
+        query.transpose(0, 1)[None], key.transpose(0, 1)[None], value.transpose(0, 1)[None],
+        is_causal=True, scale=0.125, enable_gqa=True,
+    )[0].transpose(0, 1)
+    assert torch.equal(ref.causal_attention(query, key, value, 0.125), unpadded)
+    # bf16, padded to a multiple of ref.CAUSAL_PAD rows: the dense result to bf16 rounding.
+    q, k, v = (t.bfloat16() for t in (query, key, value))
+    got = ref.causal_attention(q, k, v, 0.125)
+    assert got.shape == (length, 9, 64) and got.dtype == torch.bfloat16
+    want = ref.dense_causal_attention_reference(q, k, v, 0.125)
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=1e-2)
 
 
 def test_prefill_mask_places_queries_at_the_end_of_the_context() -> None:
