@@ -237,6 +237,11 @@ ENGINE_OPTIONS: dict[str, dict[str, Any]] = {
     "--kv-cache-tokens": dict(default=None, type=click.IntRange(min=1),
                               help="KV cache capacity in tokens (default: sized from the "
                                    "device)."),
+    "--kv-cache-prefault/--no-kv-cache-prefault": dict(
+        default=True, show_default=True, envvar="LORAPLEX_KV_CACHE_PREFAULT",
+        help="CPU: back the whole KV cache with memory at startup (no page faults in "
+             "steps); --no-kv-cache-prefault: as blocks are first written, RSS following "
+             "the blocks used."),
     "--gpu-memory-utilization": dict(
         default=0.9, show_default=True, type=click.FloatRange(0, 1, min_open=True),
         help="CUDA: the share of the device's total memory the engine may use (weights, "

@@ -14,6 +14,11 @@ def default_data_dir() -> Path:
     return Path(os.environ.get("LORAPLEX_DATA_DIR", "./var"))
 
 
+def default_kv_cache_prefault() -> bool:
+    """LORAPLEX_KV_CACHE_PREFAULT ("0": off), else on."""
+    return env_switch("LORAPLEX_KV_CACHE_PREFAULT")
+
+
 def default_dtype() -> str:
     """LORAPLEX_DTYPE, else "auto" (engine/model_runner.resolve_device_dtype)."""
     return os.environ.get("LORAPLEX_DTYPE", "auto")
@@ -40,6 +45,11 @@ class EngineConfig:
     # KV cache capacity in tokens; None sizes it from the device (CPU: enough for
     # max_num_seqs sequences of max_model_len, capped).
     kv_cache_tokens: int | None = None
+    # CPU: back the whole KV cache with memory when the engine starts (its RSS from the
+    # start), instead of page by page as blocks are first written: a first write into a
+    # page in a step costs a page fault there (see engine/models/attention.py). Blocks are
+    # handed out fresh before reused ones, so a busy server backs all of them soon anyway.
+    kv_cache_prefault: bool = field(default_factory=default_kv_cache_prefault)
     # CUDA: the share of the device's total memory the engine may use (weights, activations
     # and KV cache); the cache gets what a profiled largest step leaves (vLLM's meaning).
     gpu_memory_utilization: float = 0.9

@@ -44,9 +44,10 @@ from loraplex_kernels.reference import LoRASegments
 logger = logging.getLogger(__name__)
 
 # NOTE: on CPU the default cache holds enough tokens for max_num_seqs sequences of
-# max_model_len, capped at this many tokens (SmolLM2: 46 KiB per token, so 3 GiB). The
-# cache is an untouched anonymous mapping (allocate_kv_cache): its pages are backed only
-# once blocks are written, so RSS follows the blocks used, not this capacity.
+# max_model_len, capped at this many tokens (SmolLM2: 46 KiB per token in float32, so 3
+# GiB). The cache is an anonymous mapping (allocate_kv_cache), backed when the engine starts
+# (config.kv_cache_prefault) or else only once blocks are written, RSS then following the
+# blocks used.
 CPU_DEFAULT_KV_CACHE_TOKENS = 65536
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -150,6 +151,7 @@ class ModelRunner:
             mc.head_dim,
             self.dtype,
             self.device,
+            prefault=config.kv_cache_prefault,
         )
         logger.info(
             "model %s on %s, %s (--dtype %s; %s): %d KV blocks of %d tokens, "

@@ -44,6 +44,25 @@ def test_the_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     assert config == EngineConfig()
 
 
+@pytest.mark.parametrize(("env", "args", "want"), [
+    (None, [], True),
+    (None, ["--no-kv-cache-prefault"], False),
+    ("0", [], False),
+    ("0", ["--kv-cache-prefault"], True),
+])
+def test_the_kv_cache_prefault_flag(
+    monkeypatch: pytest.MonkeyPatch, env: str | None, args: list[str], want: bool
+) -> None:
+    if env is None:
+        monkeypatch.delenv("LORAPLEX_KV_CACHE_PREFAULT", raising=False)
+    else:
+        monkeypatch.setenv("LORAPLEX_KV_CACHE_PREFAULT", env)
+    result, seen = _serve(monkeypatch, *args)
+    assert result.exit_code == 0, result.output
+    [config] = seen
+    assert config.kv_cache_prefault is want
+
+
 @pytest.mark.parametrize(("args", "message"), [
     (["--gpu-memory-utilization", "0"], "0<x<=1"),
     (["--gpu-memory-utilization", "1.2"], "0<x<=1"),

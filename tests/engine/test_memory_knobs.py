@@ -295,6 +295,57 @@ def test_the_cpu_kv_cache_is_backed_only_where_written() -> None:
     assert not caches[1].value[64:].any()
 
 
+def _mapping_rss_bytes(address: int) -> int:
+    """The resident bytes of the mapping of this process that holds `address` (smaps)."""
+    lines = Path("/proc/self/smaps").read_text().splitlines()
+    for i, line in enumerate(lines):
+        head = line.split()[0]
+        if "-" in head and all(c in "0123456789abcdef-" for c in head):
+            start, end = (int(x, 16) for x in head.split("-"))
+            if start <= address < end:
+                for detail in lines[i + 1:]:
+                    if detail.startswith("Rss:"):
+                        return int(detail.split()[1]) * 1024
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").is_file(), reason="needs /proc")
+@pytest.mark.parametrize("prefault", [False, True])
+def test_a_prefaulted_cpu_kv_cache_is_backed_from_the_start(prefault: bool) -> None:
+    shape = (1024, 16, 8, 64)  # 32 MiB per tensor in float32
+    nbytes = 1024 * 16 * 8 * 64 * 4
+    caches = allocate_kv_cache(2, *shape, torch.float32, torch.device("cpu"), prefault=prefault)
+    resident = [_mapping_rss_bytes(t.data_ptr()) for c in caches for t in (c.key, c.value)]
+    if prefault:
+        assert all(r >= nbytes for r in resident), resident
+    else:
+        assert all(r < nbytes // 8 for r in resident), resident
+    # Either way it reads as zeros and takes writes.
+    assert not any(t.any() for c in caches for t in (c.key, c.value))
+    caches[1].value[3].fill_(2.0)
+    assert float(caches[1].value.sum()) == 2.0 * 16 * 8 * 64
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").is_file(), reason="needs /proc")
+def test_the_runner_prefaults_its_cache_as_configured(tiny_model_factory) -> None:
+    model_dir = tiny_model_factory("llama_gqa")
+    for prefault in (True, False):
+        runner = ModelRunner(EngineConfig(device="cpu", num_threads=1, kv_cache_tokens=1 << 16,
+                                          kv_cache_prefault=prefault), model_dir)
+        cache = runner.kv_caches[0].key
+        nbytes = cache.numel() * cache.element_size()
+        assert nbytes >= 4 * MIB  # large enough for the lazy side to show
+        resident = _mapping_rss_bytes(cache.data_ptr())
+        assert (resident >= nbytes) if prefault else (resident < nbytes // 2), (prefault, resident)
+
+
+def test_the_prefault_default_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("LORAPLEX_KV_CACHE_PREFAULT", raising=False)
+    assert EngineConfig().kv_cache_prefault is True
+    monkeypatch.setenv("LORAPLEX_KV_CACHE_PREFAULT", "0")
+    assert EngineConfig().kv_cache_prefault is False
+
+
 @pytest.mark.skipif(not release_free_memory(), reason="needs glibc's malloc_trim")
 def test_the_heap_is_trimmed_after_a_quiet_spell_not_during_steps() -> None:
     trimmer = IdleTrimmer(idle_s=0.05)
