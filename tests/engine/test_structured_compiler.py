@@ -41,6 +41,10 @@ from engine.structured import (
 
 REPO = Path(__file__).resolve().parents[2]
 BIG_ENUM = {"enum": [f"value-{i:06d}" for i in range(100_000)]}  # ~1.5 MB of JSON
+# NOTE: what the timeout tests compile: far slower than their 0.2 s timeout on any CPU.
+# BIG_ENUM took 0.19 s to compile on an Intel Xeon with AMX (~1 s on older CPUs), so a
+# timeout test built on it passed or failed with the machine; this takes 0.66 s there.
+SLOW_ENUM = {"enum": [f"value-{i:06d}" for i in range(300_000)]}  # ~4.5 MB of JSON
 # Our limits out of the way, so that llguidance's own are what a spec meets.
 ROOMY = {"max_spec_bytes": 8 << 20, "max_enum_values": 1 << 20, "max_choices": 1 << 20,
          "max_json_depth": 10_000, "max_regex_chars": 1 << 20}
@@ -375,7 +379,7 @@ def test_a_slow_compile_times_out_in_time(make_compiler: Any) -> None:
                              limits={**ROOMY, "initial_lexer_fuel": 1 << 40})
     trivial_s = _trivial_compile_s(compiler)
     slack_s = max(0.5, 20 * trivial_s)
-    spec = StructuredOutput.json_schema(BIG_ENUM)  # ~1 s to build within that budget
+    spec = StructuredOutput.json_schema(SLOW_ENUM)  # seconds to build within that budget
 
     start = time.perf_counter()
     future = compiler.compile_async(spec)
@@ -413,7 +417,7 @@ def test_the_timeout_holds_when_the_workers_are_busy(make_compiler: Any) -> None
     compiler = make_compiler(compile_timeout_s=timeout_s, num_threads=1,
                              limits={**ROOMY, "initial_lexer_fuel": 1 << 40})
     slack_s = max(0.5, 20 * _trivial_compile_s(compiler))
-    compiler.compile_async(StructuredOutput.json_schema(BIG_ENUM))
+    compiler.compile_async(StructuredOutput.json_schema(SLOW_ENUM))
     start = time.perf_counter()
     queued = compiler.compile_async(StructuredOutput.regex("queued"))
     with pytest.raises(GrammarTimeoutError):
@@ -432,7 +436,7 @@ def test_a_cancelled_future_does_not_disturb_the_others(make_compiler: Any) -> N
 def test_done_callbacks_may_compile_again(make_compiler: Any) -> None:
     compiler = make_compiler(compile_timeout_s=0.2, num_threads=1,
                              limits={**ROOMY, "initial_lexer_fuel": 1 << 40})
-    compiler.compile_async(StructuredOutput.json_schema(BIG_ENUM))
+    compiler.compile_async(StructuredOutput.json_schema(SLOW_ENUM))
     again: list[Future[CompiledGrammar]] = []
     called = threading.Event()
 
