@@ -143,11 +143,13 @@ def _scoped(core: Any) -> Iterator[None]:
         (LoRAGroup, "apply", LoRAGroup.apply),
         (llama, "paged_attention", llama.paged_attention),
         (llama.RMSNorm, "forward", llama.RMSNorm.forward),
+        (llama.RMSNorm, "add_forward", llama.RMSNorm.add_forward),
         (llama.LlamaAttention, "rope_qk", llama.LlamaAttention.rope_qk),
         (core.runner.model, "compute_logits", core.runner.model.compute_logits),
         (core, "sampler", core.sampler),
     ]
-    names = ["prepare_inputs", "lora", "attention", "norms", "rope", "lm_head", "sampling"]
+    names = ["prepare_inputs", "lora", "attention", "norms", "norms", "rope", "lm_head",
+             "sampling"]
     from loraplex_kernels import cpu_ops
 
     patches.append((cpu_ops, "silu_mul", cpu_ops.silu_mul))

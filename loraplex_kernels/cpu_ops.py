@@ -45,6 +45,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     for sfx in DTYPE_SUFFIX.values():
         fn = getattr(lib, f"rms_norm_{sfx}")
         fn.argtypes, fn.restype = [ptr, i64, ptr, ptr, i64, i64, ctypes.c_float, i64], None
+        fn = getattr(lib, f"add_rms_norm_{sfx}")
+        fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, ctypes.c_float, i64]
+        fn.restype = None
         fn = getattr(lib, f"lora_segments_{sfx}")
         fn.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64]
         fn.restype = ctypes.c_int
@@ -93,6 +96,22 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     out = torch.empty(x.shape, dtype=x.dtype)
     kernel(x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1],
            eps, torch.get_num_threads())
+    return out
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """residual += x in place (x + residual, rounded as torch's add), then a new [T, H]:
+    rms_norm(residual). x [T, H] rows with unit stride, residual [T, H] contiguous, weight
+    [H] contiguous, all of one dtype (float32 or bfloat16)."""
+    kernel = _kernel("add_rms_norm", x.dtype)
+    assert x.dim() == 2 and x.stride(1) == 1 and residual.is_contiguous(), (x.stride(),)
+    assert x.shape == residual.shape and weight.is_contiguous(), (x.shape, residual.shape)
+    assert x.dtype == residual.dtype == weight.dtype and weight.shape[0] == x.shape[1]
+    out = torch.empty(x.shape, dtype=x.dtype)
+    kernel(x.data_ptr(), x.stride(0), residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
+           x.shape[0], x.shape[1], eps, torch.get_num_threads())
     return out
 
 

@@ -31,6 +31,15 @@ class RMSNorm(nn.Module):
             return cpu_ops.rms_norm(x, self.weight, self.eps)  # one call, not six ops
         return ref.rms_norm(x, self.weight, self.eps)
 
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual += x in place (x + residual, bit for bit), then the norm of the sum."""
+        if (x.dim() == 2 and x.stride(1) == 1 and residual.is_contiguous()
+                and cpu_ops.available(x.device, x.dtype)):
+            # NOTE: one pass over the rows instead of an add and a norm (60 fewer ops in a
+            # decode step of SmolLM2; in a 2,048-token prefill the adds alone took 13 ms).
+            return cpu_ops.add_rms_norm(x, residual, self.weight, self.eps)
+        return ref.rms_norm(residual.add_(x), self.weight, self.eps)
+
 
 class LlamaAttention(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
@@ -134,11 +143,19 @@ class LlamaDecoderLayer(nn.Module):
         cache: LayerKVCache,
         meta: AttentionMetadata,
         lora: ref.LoRASegments | None = None,
-    ) -> torch.Tensor:
-        # NOTE: residuals added in place into the sublayers' fresh outputs (a + x is
-        # x + a bit for bit), so a layer allocates no [T, HID] sums of its own.
-        x = self.self_attn(self.input_layernorm(x), rope, cache, meta, lora).add_(x)
-        return self.mlp(self.post_attention_layernorm(x), lora).add_(x)
+        residual: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the MLP's output, the residual stream before it is added): each residual add
+        is left to the norm that follows it, which does both in one pass (add_forward).
+        `residual` None: x is the stream itself (the first layer), else x is the last
+        layer's output still to be added to it. The stream is updated in place."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h = self.input_layernorm.add_forward(x, residual)
+        h = self.self_attn(h, rope, cache, meta, lora)
+        h = self.post_attention_layernorm.add_forward(h, residual)
+        return self.mlp(h, lora), residual
 
 
 class LlamaForCausalLM(CausalLM):
@@ -266,10 +283,13 @@ class LlamaForCausalLM(CausalLM):
     ) -> torch.Tensor:
         assert len(kv_caches) == len(self.layers)
         rope = self.rope[positions].unsqueeze(1)  # [T, 1, D/2] complex, shared by all layers
-        x = self.embed_tokens(input_ids)
+        x = self.embed_tokens(input_ids)  # a fresh tensor: the residual stream, in place
+        residual: torch.Tensor | None = None
         for layer, cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, rope, cache, meta, lora)
-        return self.norm(x)
+            x, residual = layer(x, rope, cache, meta, lora, residual)
+        if residual is None:  # no layers
+            return self.norm(x)
+        return self.norm.add_forward(x, residual)
 
     def attach_lora(self, layer: int, groups: dict[str, LoRAGroup]) -> None:
         block = self.layers[layer]

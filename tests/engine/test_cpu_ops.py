@@ -61,6 +61,50 @@ def test_rms_norm_module_takes_the_kernel_for_rows_and_torch_otherwise(
     assert calls == [1]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("rows", "hidden"), [(1, 576), (7, 13), (33, 2048), (300, 64)])
+def test_add_rms_norm_is_the_add_then_the_norm_bit_for_bit(
+    dtype: torch.dtype, rows: int, hidden: int
+) -> None:
+    gen = torch.Generator().manual_seed(rows + hidden)
+    x = (torch.randn(rows, hidden + 3, generator=gen) * 4).to(dtype)[:, 3:]  # strided rows
+    residual = torch.randn(rows, hidden, generator=gen).to(dtype)
+    residual[0] *= 1e4
+    weight = torch.randn(hidden, generator=gen).to(dtype)
+    summed = x + residual  # torch's add, rounded to dtype
+    stream = residual.clone()
+    got = cpu_ops.add_rms_norm(x, stream, weight, 1e-5)
+    assert torch.equal(stream, summed)  # the stream updated in place, as torch adds
+    assert torch.equal(got, cpu_ops.rms_norm(summed, weight, 1e-5))  # then the same norm
+    assert got.is_contiguous() and got.dtype == dtype
+
+
+def test_add_forward_fuses_on_rows_and_adds_then_norms_otherwise(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    norm = RMSNorm(16, 1e-6, torch.float32)
+    norm.weight = torch.nn.Parameter(torch.randn(16), requires_grad=False)
+    calls: list[int] = []
+    kernel = cpu_ops.add_rms_norm
+
+    def counting(*args: object) -> torch.Tensor:
+        calls.append(1)
+        return kernel(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(cpu_ops, "add_rms_norm", counting)
+    x, residual = torch.randn(5, 16), torch.randn(5, 16)
+    stream = residual.clone()
+    torch.testing.assert_close(norm.add_forward(x, stream),
+                               ref.rms_norm(x + residual, norm.weight, 1e-6))
+    assert torch.equal(stream, x + residual) and calls == [1]
+    # A residual that is not contiguous: torch's add in place, then the norm.
+    stream = residual.t().contiguous().t()
+    got = norm.add_forward(x, stream)
+    assert calls == [1]
+    assert torch.equal(stream, x + residual)
+    torch.testing.assert_close(got, ref.rms_norm(x + residual, norm.weight, 1e-6))
+
+
 @pytest.mark.parametrize(("rows", "inter"), [(1, 1536), (3, 7), (2, 1100), (300, 1536)])
 def test_silu_mul_matches_torch(rows: int, inter: int) -> None:
     gen = torch.Generator().manual_seed(rows + inter)
