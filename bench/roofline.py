@@ -101,6 +101,9 @@ _SCOPES = ("prepare_inputs", "lora", "attention", "norms", "rope", "lm_head", "s
 _SCOPE_SELF_PART = {"attention": "kv_write", "lora": "lora", "norms": "norms", "rope": "rope",
                     "activation": "activation", "lm_head": "lm_head", "sampling": "sampling"}
 _KERNEL_SCOPE = "decode_kernel"
+# The AMX linear kernel's C call (loraplex_kernels/cpu_amx.py): the linear layers' part,
+# or the lm_head's when the output projection runs it.
+_AMX_SCOPE = "amx_linear"
 
 
 def _op_part(op: str, scope: str | None) -> str:
@@ -154,6 +157,10 @@ def _scoped(core: Any) -> Iterator[None]:
 
     patches.append((cpu_ops, "silu_mul", cpu_ops.silu_mul))
     names.append("activation")
+    from loraplex_kernels import cpu_amx
+
+    patches.append((cpu_amx, "linear", cpu_amx.linear))
+    names.append(_AMX_SCOPE)
     try:  # trees without the CPU decode kernel profile without it
         from loraplex_kernels import cpu_decode
 
@@ -185,6 +192,11 @@ def profile_parts(core: Any, steps: int) -> dict[str, float]:
             parts["decode_attention"] = (
                 parts.get("decode_attention", 0.0) + event.self_cpu_time_total / 1e6
             )
+            continue
+        if event.name == _AMX_SCOPE:
+            outer = event.cpu_parent
+            part = "lm_head" if outer is not None and outer.name == "lm_head" else "linear"
+            parts[part] = parts.get(part, 0.0) + event.self_cpu_time_total / 1e6
             continue
         if event.name in _SCOPES:
             part = _SCOPE_SELF_PART.get(event.name)

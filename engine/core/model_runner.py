@@ -24,7 +24,7 @@ from engine.models.attention import (
     allocate_kv_cache,
 )
 from engine.models.base import CausalLM
-from engine.models.cpu_linear import pack_linears, packing_available
+from engine.models.cpu_linear import amx_weight_bytes, pack_linears, packing_available
 from engine.models.loader import (
     ModelConfig,
     iter_safetensors,
@@ -203,6 +203,12 @@ class ModelRunner:
             tied = model.embed_tokens.weight if model.lm_head is None else None
             num_packed = pack_linears(model, lm_head_weight=tied)
             logger.info("packed %d linear layers for oneDNN", num_packed)
+            amx_bytes = amx_weight_bytes(model)
+            if amx_bytes:
+                logger.info("steps of up to 32 rows run their linear layers on AMX tiles: "
+                            "%.0f MiB of weights held a second time in their layout "
+                            "(LORAPLEX_CPU_AMX_LINEAR=0 turns it off)",
+                            amx_bytes / 2**20)
         if self.device.type == "cpu":
             # The unpacked weights just freed would otherwise stay in the heap for good.
             release_free_memory()

@@ -1,0 +1,136 @@
+"""The AMX linear kernel (loraplex_kernels/cpu_amx.py) against F.linear: the same float32
+sums rounded once, for every row count it takes, with and without bias, on strided rows;
+the shapes it refuses; PackedLinear choosing it for steps of up to 32 rows and oneDNN for
+the rest; and oneDNN's own AMX matmuls still right after it ran on the same threads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.config import EngineConfig
+from engine.models.cpu_linear import PackedLinear, amx_weight_bytes, packing_available
+from loraplex_kernels import cpu_amx, cpu_build
+
+needs_amx = pytest.mark.skipif(not cpu_amx.available(), reason="no AMX on this CPU")
+
+
+def _case(rows: int, out_features: int, in_features: int, seed: int = 0,
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed + rows)
+    weight = torch.randn(out_features, in_features, generator=gen).bfloat16()
+    bias = torch.randn(out_features, generator=gen).bfloat16()
+    x = (torch.randn(rows, in_features + 24, generator=gen) * 2).bfloat16()[:, 24:]
+    return weight, bias, x
+
+
+def test_pack_weight_lays_out_16_columns_by_32_inputs_a_tile() -> None:
+    n, k = 64, 96
+    cols = torch.arange(n).view(n, 1).expand(n, k).bfloat16()
+    ins = torch.arange(k).view(1, k).expand(n, k).bfloat16()
+    pc, pi = cpu_amx.pack_weight(cols.contiguous()), cpu_amx.pack_weight(ins.contiguous())
+    assert pc.numel() == n * k and pc.is_contiguous()
+    tile = 1024 // 2  # bf16 values a tile
+    flat_c, flat_i = pc.flatten().long(), pi.flatten().long()
+    # Tile (column block 2, input block 1), its row 5 (inputs 32 + 10, 32 + 11), column 7.
+    at = (2 * (k // 32) + 1) * tile + 5 * 32 + 7 * 2
+    assert flat_c[at].item() == 2 * 16 + 7 and flat_i[at].item() == 32 + 10
+    assert flat_c[at + 1].item() == 2 * 16 + 7 and flat_i[at + 1].item() == 32 + 11
+
+
+@needs_amx
+@pytest.mark.parametrize("rows", [1, 2, 15, 16, 17, 31, 32])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_amx_linear_is_f_linear_bit_for_bit(rows: int, with_bias: bool) -> None:
+    weight, bias, x = _case(rows, 96, 160)
+    b = bias if with_bias else None
+    got = cpu_amx.linear(x, cpu_amx.pack_weight(weight), 96, b)
+    assert got.shape == (rows, 96) and got.dtype == torch.bfloat16 and got.is_contiguous()
+    exact = F.linear(x.float(), weight.float(), None if b is None else b.float())
+    torch.testing.assert_close(got.float(), exact, rtol=2**-8 + 1e-5, atol=1e-3)
+    # oneDNN sums in float32 and rounds once too: the same bits.
+    assert torch.equal(got, F.linear(x, weight, b))
+
+
+@needs_amx
+@pytest.mark.parametrize(("out_features", "in_features"), [(576, 1536), (49152, 576)])
+def test_amx_linear_on_a_models_shapes(out_features: int, in_features: int) -> None:
+    weight, bias, x = _case(32, out_features, in_features, seed=3)
+    got = cpu_amx.linear(x, cpu_amx.pack_weight(weight), out_features, bias)
+    assert torch.equal(got, F.linear(x, weight, bias))
+
+
+@needs_amx
+def test_amx_linear_refuses_what_it_does_not_take() -> None:
+    weight, _, x = _case(33, 64, 64)
+    packed = cpu_amx.pack_weight(weight)
+    with pytest.raises(AssertionError):
+        cpu_amx.linear(x, packed, 64)  # 33 rows
+    with pytest.raises(AssertionError):
+        cpu_amx.linear(x[:4].float(), packed, 64)
+    assert not cpu_amx.fits(48, 64) and not cpu_amx.fits(64, 40) and cpu_amx.fits(64, 64)
+    with pytest.raises(AssertionError):
+        cpu_amx.pack_weight(torch.zeros(48, 64, dtype=torch.bfloat16))
+
+
+@needs_amx
+def test_onednn_amx_matmuls_stay_right_after_the_kernel_ran() -> None:
+    """The kernel leaves the tiles released; oneDNN's packed bf16 matmuls (AMX here) that
+    run on the same threads afterwards still give their own results."""
+    weight, bias, _ = _case(1, 256, 576, seed=7)
+    layer = PackedLinear(weight, bias)
+    assert layer.amx_weight is not None
+    gen = torch.Generator().manual_seed(11)
+    for rows in (3, 200, 32, 700, 17, 64):
+        x = torch.randn(rows, 576, generator=gen).bfloat16()
+        assert torch.equal(layer(x), F.linear(x, weight, bias)), rows
+
+
+@pytest.mark.skipif(not packing_available(torch.device("cpu"), torch.bfloat16),
+                    reason="oneDNN has no bf16 linear kernels for this CPU")
+def test_packed_linear_takes_the_kernel_for_few_rows_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    weight, bias, _ = _case(1, 64, 96, seed=5)
+    calls: list[int] = []
+    real = cpu_amx.linear
+
+    def counting(x: torch.Tensor, *args: object) -> torch.Tensor:
+        calls.append(x.shape[0])
+        return real(x, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(cpu_amx, "linear", counting)
+    layer = PackedLinear(weight, bias)
+    gen = torch.Generator().manual_seed(2)
+    for rows in (1, 32, 33, 300):
+        x = torch.randn(rows, 96, generator=gen).bfloat16()
+        assert torch.equal(layer(x), F.linear(x, weight, bias)), rows
+    if cpu_amx.available():
+        assert calls == [1, 32] and amx_weight_bytes(layer) == 64 * 96 * 2
+    else:  # no AMX here: oneDNN for every step, and no second copy
+        assert calls == [] and layer.amx_weight is None and amx_weight_bytes(layer) == 0
+    # float32 layers never get the copy.
+    assert PackedLinear(weight.float(), None).amx_weight is None
+
+
+@needs_amx
+def test_the_switch_turns_the_kernel_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    before = cpu_build.current_settings()
+    try:
+        cpu_build.configure(EngineConfig(cpu_amx_linear=False).kernel_settings)
+        assert not cpu_amx.available()
+        weight, bias, x = _case(4, 64, 96)
+        layer = PackedLinear(weight, bias)
+        assert layer.amx_weight is None  # no second copy either
+        assert torch.equal(layer(x), F.linear(x, weight, bias))
+    finally:
+        cpu_build.configure(before)
+    assert cpu_amx.available()
+
+
+def test_the_switch_defaults_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("LORAPLEX_CPU_AMX_LINEAR", raising=False)
+    assert EngineConfig().kernel_settings.amx_linear is True
+    monkeypatch.setenv("LORAPLEX_CPU_AMX_LINEAR", "0")
+    assert EngineConfig().kernel_settings.amx_linear is False
