@@ -195,8 +195,8 @@ def profile_parts(core: Any, steps: int) -> dict[str, float]:
             continue
         if event.name == _AMX_SCOPE:
             outer = event.cpu_parent
-            part = "lm_head" if outer is not None and outer.name == "lm_head" else "linear"
-            parts[part] = parts.get(part, 0.0) + event.self_cpu_time_total / 1e6
+            amx_part = "lm_head" if outer is not None and outer.name == "lm_head" else "linear"
+            parts[amx_part] = parts.get(amx_part, 0.0) + event.self_cpu_time_total / 1e6
             continue
         if event.name in _SCOPES:
             part = _SCOPE_SELF_PART.get(event.name)

@@ -40,19 +40,26 @@ def test_rms_norm_matches_torch(rows: int, hidden: int) -> None:
     torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-6)
 
 
-def test_rms_norm_module_takes_the_kernel_for_rows_and_torch_otherwise(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def _norm_counting(monkeypatch: pytest.MonkeyPatch, kernel_name: str
+                   ) -> tuple[RMSNorm, list[int]]:
+    """An RMSNorm of 16, and the calls of cpu_ops' `kernel_name` from now on."""
     norm = RMSNorm(16, 1e-6, torch.float32)
     norm.weight = torch.nn.Parameter(torch.randn(16), requires_grad=False)
     calls: list[int] = []
-    kernel = cpu_ops.rms_norm
+    kernel = getattr(cpu_ops, kernel_name)
 
     def counting(*args: object) -> torch.Tensor:
         calls.append(1)
-        return kernel(*args)  # type: ignore[arg-type]
+        return kernel(*args)
 
-    monkeypatch.setattr(cpu_ops, "rms_norm", counting)
+    monkeypatch.setattr(cpu_ops, kernel_name, counting)
+    return norm, calls
+
+
+def test_rms_norm_module_takes_the_kernel_for_rows_and_torch_otherwise(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    norm, calls = _norm_counting(monkeypatch, "rms_norm")
     x = torch.randn(5, 16)
     torch.testing.assert_close(norm(x), ref.rms_norm(x, norm.weight, 1e-6))
     assert calls == [1]
@@ -82,16 +89,7 @@ def test_add_rms_norm_is_the_add_then_the_norm_bit_for_bit(
 def test_add_forward_fuses_on_rows_and_adds_then_norms_otherwise(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    norm = RMSNorm(16, 1e-6, torch.float32)
-    norm.weight = torch.nn.Parameter(torch.randn(16), requires_grad=False)
-    calls: list[int] = []
-    kernel = cpu_ops.add_rms_norm
-
-    def counting(*args: object) -> torch.Tensor:
-        calls.append(1)
-        return kernel(*args)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(cpu_ops, "add_rms_norm", counting)
+    norm, calls = _norm_counting(monkeypatch, "add_rms_norm")
     x, residual = torch.randn(5, 16), torch.randn(5, 16)
     stream = residual.clone()
     torch.testing.assert_close(norm.add_forward(x, stream),
