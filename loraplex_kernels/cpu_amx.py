@@ -30,6 +30,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.amx_ready.argtypes, lib.amx_ready.restype = [], ctypes.c_int
     lib.amx_linear_bf16.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64]
     lib.amx_linear_bf16.restype = ctypes.c_int
+    lib.amx_causal_attention_bf16.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, i64, i64, i64,
+                                              i64, ctypes.c_float, ptr, i64]
+    lib.amx_causal_attention_bf16.restype = ctypes.c_int
 
 
 _library = LazyLibrary(
@@ -70,8 +73,11 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
            bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] bfloat16 (1 <= M <= MAX_ROWS, unit stride within rows) . W^T + bias ->
     new [M, N], W packed by pack_weight; summed in float32 and rounded once."""
+    # NOTE: available() also asks the OS for the tiles; a tile instruction before that
+    # is an illegal instruction.
+    assert available(), "the AMX kernel is not available: check available() first"
     lib = _library()
-    assert lib is not None, "the AMX kernel is not available: check available() first"
+    assert lib is not None
     m, k = x.shape
     assert x.dtype == torch.bfloat16 and x.stride(1) == 1 and 1 <= m <= MAX_ROWS, (
         x.dtype, x.shape, x.stride())
@@ -88,3 +94,36 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
         raise ValueError(f"the AMX linear kernel refused x {tuple(x.shape)}, "
                          f"{out_features} outputs")
     return y
+
+
+def attention_fits(head_dim: int) -> bool:
+    """Whether causal_attention takes heads of this size."""
+    return head_dim % 32 == 0 and 0 < head_dim <= 256
+
+
+def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """`reference.causal_attention` in bf16 on AMX tiles: query [L, H, D], key and value
+    [L, KVH, D] (heads and D contiguous, rows any stride apart) -> new [L, H, D]."""
+    # NOTE: available() also asks the OS for the tiles; a tile instruction before that
+    # is an illegal instruction.
+    assert available(), "the AMX kernel is not available: check available() first"
+    lib = _library()
+    assert lib is not None
+    length, heads, head_dim = query.shape
+    kv_heads = key.shape[1]
+    for t in (query, key, value):
+        assert t.dtype == torch.bfloat16 and t.stride(2) == 1 and t.stride(1) == head_dim
+    assert key.shape == value.shape == (length, kv_heads, head_dim), (key.shape, value.shape)
+    assert attention_fits(head_dim) and heads % kv_heads == 0
+    out = torch.empty(length, heads, head_dim, dtype=torch.bfloat16)
+    padded = -(-length // 32) * 32
+    work = torch.empty(2 * kv_heads * padded * head_dim, dtype=torch.bfloat16)
+    failed = lib.amx_causal_attention_bf16(
+        query.data_ptr(), query.stride(0), key.data_ptr(), key.stride(0), value.data_ptr(),
+        value.stride(0), out.data_ptr(), length, heads, kv_heads, head_dim, scale,
+        work.data_ptr(), torch.get_num_threads(),
+    )
+    if failed:
+        raise ValueError(f"the AMX attention kernel refused {tuple(query.shape)}")
+    return out
