@@ -64,8 +64,9 @@ class EngineConfig:
     pack_cpu_weights: bool = True
     # CPU: the C kernels (loraplex_kernels/cpu_build.py). cpu_kernels False runs every op
     # on its torch path (for comparisons), cpu_decode_kernel False decode attention alone;
-    # cpu_amx_linear False keeps bf16 decode steps' linear layers on oneDNN where the CPU
-    # has AMX (loraplex_kernels/cpu_amx.py; on, each such layer holds its weights twice);
+    # cpu_amx_linear False keeps bf16 decode steps' linear layers on oneDNN and new prompts'
+    # attention on torch's kernel where the CPU has AMX (loraplex_kernels/cpu_amx.py; on,
+    # each such linear layer holds its weights twice);
     # builds are cached in kernel_cache_dir (None: ~/.cache/loraplex/kernels). Defaults:
     # LORAPLEX_CPU_KERNELS, LORAPLEX_CPU_DECODE_KERNEL and LORAPLEX_CPU_AMX_LINEAR ("0":
     # off), LORAPLEX_KERNEL_CACHE.

@@ -1,4 +1,4 @@
-/* bf16 linear layers of few rows on AMX tiles (see cpu_amx.py). */
+/* bf16 on AMX tiles: linear layers of few rows, and a new prompt's causal attention (see cpu_amx.py). */
 #include "cpu_common.h"
 
 #include <math.h>

@@ -1,4 +1,5 @@
-"""bf16 linear layers of up to 32 rows on AMX tiles: the matmuls of a decode step.
+"""bf16 on AMX tiles: linear layers of up to 32 rows (the matmuls of a decode step), and
+the causal attention of a new prompt (`causal_attention`).
 
 At a few dozen rows a linear layer's time is the read of its weight matrix: each weight
 is used once per row. This kernel reads two weight streams per thread, laid out as the
@@ -43,8 +44,8 @@ _ready_lock = threading.Lock()
 
 
 def available() -> bool:
-    """Whether the kernel runs here: built with AMX, the tiles granted by the OS, and
-    switched on."""
+    """Whether the kernels run here: built with AMX, the tiles granted by the OS, and
+    switched on (KernelSettings.amx_linear, which covers both)."""
     lib = _library()
     if lib is None:
         return False

@@ -26,6 +26,19 @@ def _case(rows: int, out_features: int, in_features: int, seed: int = 0,
     return weight, bias, x
 
 
+def _count_rows(monkeypatch: pytest.MonkeyPatch, kernel: str) -> list[int]:
+    """The row counts cpu_amx's `kernel` is called with from now on."""
+    calls: list[int] = []
+    real = getattr(cpu_amx, kernel)
+
+    def counting(x: torch.Tensor, *args: object) -> torch.Tensor:
+        calls.append(x.shape[0])
+        return real(x, *args)
+
+    monkeypatch.setattr(cpu_amx, kernel, counting)
+    return calls
+
+
 def test_pack_weight_lays_out_16_columns_by_32_inputs_a_tile() -> None:
     n, k = 64, 96
     cols = torch.arange(n).view(n, 1).expand(n, k).bfloat16()
@@ -94,14 +107,7 @@ def test_packed_linear_takes_the_kernel_for_few_rows_only(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     weight, bias, _ = _case(1, 64, 96, seed=5)
-    calls: list[int] = []
-    real = cpu_amx.linear
-
-    def counting(x: torch.Tensor, *args: object) -> torch.Tensor:
-        calls.append(x.shape[0])
-        return real(x, *args)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(cpu_amx, "linear", counting)
+    calls = _count_rows(monkeypatch, "linear")
     layer = PackedLinear(weight, bias)
     gen = torch.Generator().manual_seed(2)
     for rows in (1, 32, 33, 300):
@@ -195,14 +201,7 @@ def test_fresh_bf16_prompts_take_the_amx_kernel_where_there_is_one(
         paged_attention,
     )
 
-    calls: list[int] = []
-    real = cpu_amx.causal_attention
-
-    def counting(query: torch.Tensor, *args: object) -> torch.Tensor:
-        calls.append(query.shape[0])
-        return real(query, *args)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(cpu_amx, "causal_attention", counting)
+    calls = _count_rows(monkeypatch, "causal_attention")
     for dtype in (torch.bfloat16, torch.float32):
         q, k, v = _qkv(20, 9, 3, 64, seed=4)
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
