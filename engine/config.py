@@ -64,18 +64,18 @@ class EngineConfig:
     pack_cpu_weights: bool = True
     # CPU: the C kernels (loraplex_kernels/cpu_build.py). cpu_kernels False runs every op
     # on its torch path (for comparisons), cpu_decode_kernel False decode attention alone;
-    # cpu_amx_linear False keeps bf16 decode steps' linear layers on oneDNN and new prompts'
+    # cpu_amx False keeps bf16 decode steps' linear layers on oneDNN and new prompts'
     # attention on torch's kernel where the CPU has AMX (loraplex_kernels/cpu_amx.py; on,
     # each such linear layer holds its weights twice);
     # builds are cached in kernel_cache_dir (None: ~/.cache/loraplex/kernels). Defaults:
-    # LORAPLEX_CPU_KERNELS, LORAPLEX_CPU_DECODE_KERNEL and LORAPLEX_CPU_AMX_LINEAR ("0":
+    # LORAPLEX_CPU_KERNELS, LORAPLEX_CPU_DECODE_KERNEL and LORAPLEX_CPU_AMX ("0":
     # off), LORAPLEX_KERNEL_CACHE.
     # NOTE: the kernels are the process's: the last engine started in it sets them.
     cpu_kernels: bool = field(default_factory=lambda: env_switch("LORAPLEX_CPU_KERNELS"))
     cpu_decode_kernel: bool = field(
         default_factory=lambda: env_switch("LORAPLEX_CPU_DECODE_KERNEL")
     )
-    cpu_amx_linear: bool = field(default_factory=lambda: env_switch("LORAPLEX_CPU_AMX_LINEAR"))
+    cpu_amx: bool = field(default_factory=lambda: env_switch("LORAPLEX_CPU_AMX"))
     kernel_cache_dir: Path | None = field(default_factory=env_cache_dir)
     data_dir: Path | None = None  # None: LORAPLEX_DATA_DIR or ./var
     # Order of waiting requests within a priority (see engine/core/fairness.py): "vtc" serves
@@ -152,7 +152,7 @@ class EngineConfig:
     def kernel_settings(self) -> KernelSettings:
         return KernelSettings(
             enabled=self.cpu_kernels, decode_attention=self.cpu_decode_kernel,
-            amx_linear=self.cpu_amx_linear, cache_dir=self.kernel_cache_dir,
+            amx=self.cpu_amx, cache_dir=self.kernel_cache_dir,
         )
 
     @property

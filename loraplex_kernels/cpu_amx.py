@@ -10,7 +10,7 @@ engine/models/cpu_linear.py).
 
 NOTE: C in cpu_amx.c, built by loraplex_kernels/cpu_build.py for the CPU it runs on and
 called through ctypes with the GIL released. Without AMX (or a compiler, or when the
-kernel is switched off: KernelSettings.amx_linear), `available()` is False.
+kernel is switched off: KernelSettings.amx), `available()` is False.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def _declare(lib: ctypes.CDLL) -> None:
 
 
 _library = LazyLibrary(
-    "cpu_amx", SOURCE_DIR / "cpu_amx.c", _declare, switch=lambda settings: settings.amx_linear
+    "cpu_amx", SOURCE_DIR / "cpu_amx.c", _declare, switch=lambda settings: settings.amx
 ).get
 _ready: dict[int, bool] = {}
 _ready_lock = threading.Lock()
@@ -45,7 +45,7 @@ _ready_lock = threading.Lock()
 
 def available() -> bool:
     """Whether the kernels run here: built with AMX, the tiles granted by the OS, and
-    switched on (KernelSettings.amx_linear, which covers both)."""
+    switched on (KernelSettings.amx)."""
     lib = _library()
     if lib is None:
         return False

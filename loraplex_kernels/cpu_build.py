@@ -56,7 +56,7 @@ class KernelSettings:
 
     enabled: bool = True  # False: every kernel off, the torch paths run (for comparisons)
     decode_attention: bool = True  # the paged decode attention kernel
-    amx_linear: bool = True  # bf16 linear layers of few rows on AMX tiles (cpu_amx.py)
+    amx: bool = True  # the bf16 AMX kernels: few-row linears, prompt attention (cpu_amx.py)
     cache_dir: Path | None = None  # None: ~/.cache/loraplex/kernels
 
 
@@ -74,7 +74,7 @@ def settings_from_env() -> KernelSettings:
     return KernelSettings(
         enabled=env_switch("LORAPLEX_CPU_KERNELS"),
         decode_attention=env_switch("LORAPLEX_CPU_DECODE_KERNEL"),
-        amx_linear=env_switch("LORAPLEX_CPU_AMX_LINEAR"),
+        amx=env_switch("LORAPLEX_CPU_AMX"),
         cache_dir=env_cache_dir(),
     )
 

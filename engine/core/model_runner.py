@@ -207,7 +207,7 @@ class ModelRunner:
             if amx_bytes:
                 logger.info("steps of up to 32 rows run their linear layers on AMX tiles: "
                             "%.0f MiB of weights held a second time in their layout "
-                            "(LORAPLEX_CPU_AMX_LINEAR=0 turns it off)",
+                            "(LORAPLEX_CPU_AMX=0 turns it off)",
                             amx_bytes / 2**20)
         if self.device.type == "cpu":
             # The unpacked weights just freed would otherwise stay in the heap for good.

@@ -12,7 +12,7 @@ as `F.linear` in bf16 does. Where the CPU has AMX, a bf16 layer also keeps its w
 the tile layout of loraplex_kernels/cpu_amx.py, which runs steps of up to 32 rows (a
 decode step's) about 1.5x as fast as oneDNN there, with the same results; larger steps
 stay on oneDNN. That second copy doubles the bf16 weights' memory (EngineConfig
-cpu_amx_linear turns it off).
+cpu_amx turns it off).
 """
 
 from __future__ import annotations

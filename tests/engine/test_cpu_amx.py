@@ -125,7 +125,7 @@ def test_packed_linear_takes_the_kernel_for_few_rows_only(
 def test_the_switch_turns_the_kernel_off(monkeypatch: pytest.MonkeyPatch) -> None:
     before = cpu_build.current_settings()
     try:
-        cpu_build.configure(EngineConfig(cpu_amx_linear=False).kernel_settings)
+        cpu_build.configure(EngineConfig(cpu_amx=False).kernel_settings)
         assert not cpu_amx.available()
         weight, bias, x = _case(4, 64, 96)
         layer = PackedLinear(weight, bias)
@@ -137,10 +137,10 @@ def test_the_switch_turns_the_kernel_off(monkeypatch: pytest.MonkeyPatch) -> Non
 
 
 def test_the_switch_defaults_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("LORAPLEX_CPU_AMX_LINEAR", raising=False)
-    assert EngineConfig().kernel_settings.amx_linear is True
-    monkeypatch.setenv("LORAPLEX_CPU_AMX_LINEAR", "0")
-    assert EngineConfig().kernel_settings.amx_linear is False
+    monkeypatch.delenv("LORAPLEX_CPU_AMX", raising=False)
+    assert EngineConfig().kernel_settings.amx is True
+    monkeypatch.setenv("LORAPLEX_CPU_AMX", "0")
+    assert EngineConfig().kernel_settings.amx is False
 
 
 # ------------------------------------------------------------- prefill attention
