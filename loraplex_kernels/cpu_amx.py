@@ -16,7 +16,7 @@ kernel is switched off: KernelSettings.amx), `available()` is False.
 from __future__ import annotations
 
 import ctypes
-import threading
+import functools
 
 import torch
 
@@ -39,22 +39,28 @@ def _declare(lib: ctypes.CDLL) -> None:
 _library = LazyLibrary(
     "cpu_amx", SOURCE_DIR / "cpu_amx.c", _declare, switch=lambda settings: settings.amx
 ).get
-_ready: dict[int, bool] = {}
-_ready_lock = threading.Lock()
+
+
+@functools.cache
+def _tiles_granted(lib: ctypes.CDLL) -> bool:
+    """Built with AMX and the tiles granted by the OS (asked once; asking is idempotent)."""
+    return bool(lib.amx_ready())
 
 
 def available() -> bool:
     """Whether the kernels run here: built with AMX, the tiles granted by the OS, and
     switched on (KernelSettings.amx)."""
     lib = _library()
-    if lib is None:
-        return False
-    key = id(lib)
-    if key not in _ready:
-        with _ready_lock:
-            if key not in _ready:
-                _ready[key] = bool(lib.amx_ready())
-    return _ready[key]
+    return lib is not None and _tiles_granted(lib)
+
+
+def _granted_library() -> ctypes.CDLL:
+    # NOTE: available() asks the OS for the tiles; a tile instruction before that is an
+    # illegal instruction.
+    lib = _library()
+    assert lib is not None and _tiles_granted(lib), (
+        "the AMX kernels are not available: check available() first")
+    return lib
 
 
 def fits(out_features: int, in_features: int) -> bool:
@@ -74,11 +80,7 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
            bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] bfloat16 (1 <= M <= MAX_ROWS, unit stride within rows) . W^T + bias ->
     new [M, N], W packed by pack_weight; summed in float32 and rounded once."""
-    # NOTE: available() also asks the OS for the tiles; a tile instruction before that
-    # is an illegal instruction.
-    assert available(), "the AMX kernel is not available: check available() first"
-    lib = _library()
-    assert lib is not None
+    lib = _granted_library()
     m, k = x.shape
     assert x.dtype == torch.bfloat16 and x.stride(1) == 1 and 1 <= m <= MAX_ROWS, (
         x.dtype, x.shape, x.stride())
@@ -106,11 +108,7 @@ def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
                      scale: float) -> torch.Tensor:
     """`reference.causal_attention` in bf16 on AMX tiles: query [L, H, D], key and value
     [L, KVH, D] (heads and D contiguous, rows any stride apart) -> new [L, H, D]."""
-    # NOTE: available() also asks the OS for the tiles; a tile instruction before that
-    # is an illegal instruction.
-    assert available(), "the AMX kernel is not available: check available() first"
-    lib = _library()
-    assert lib is not None
+    lib = _granted_library()
     length, heads, head_dim = query.shape
     kv_heads = key.shape[1]
     for t in (query, key, value):

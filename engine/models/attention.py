@@ -223,8 +223,9 @@ def paged_attention(
                     query[g.start : g.start + g.count], keys[blocks], values[blocks], g.mask, scale
                 )
             )
-    amx = (query.dtype == torch.bfloat16 and query.device.type == "cpu"
-           and cpu_amx.attention_fits(query.shape[2]) and cpu_amx.available())
+    amx = (bool(meta.prefills) and query.dtype == torch.bfloat16
+           and query.device.type == "cpu" and cpu_amx.attention_fits(query.shape[2])
+           and cpu_amx.available())
     for seq in meta.prefills:
         span = slice(seq.query_start, seq.query_start + seq.query_len)
         if seq.mask is None:
