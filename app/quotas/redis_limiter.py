@@ -29,6 +29,9 @@ from app.quotas.base import (
 logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 0.5
+# The pool's cap: a burst of admissions and settles opens up to this many connections,
+# which stay open for the next burst.
+DEFAULT_MAX_CONNECTIONS = 64
 
 
 def _limit(value: int | None) -> int:
@@ -66,7 +69,7 @@ class RedisLimiter:
         window_s: int = DEFAULT_WINDOW_S,
         prefix: str = DEFAULT_PREFIX,
         timeout_s: float = DEFAULT_TIMEOUT_S,
-        max_connections: int = 64,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
     ) -> RedisLimiter:
         # NOTE: short timeouts and no retry after a timeout: a dead or hung Redis must cost
         # a request at most `timeout_s` before the failure mode decides, not seconds. A
