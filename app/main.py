@@ -95,6 +95,7 @@ def create_app(
             settings.redis_url,
             mode=settings.quota_failure_mode,
             lease_ttl_s=settings.lease_ttl_s,
+            timeout_s=settings.quota_redis_timeout_s,
             on_fail_open=metrics.observe_quota_fail_open,
         ),
         usage=UsageRecorder(

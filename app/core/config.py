@@ -70,6 +70,9 @@ class Settings(BaseSettings):
     # When Redis fails: "open" admits within per-process limits (and counts it in a
     # metric), "closed" answers 503.
     quota_failure_mode: Literal["open", "closed"] = "open"
+    # A Redis command (or connect, or wait for a pooled connection) that takes longer
+    # counts as a Redis failure: it bounds what a hung Redis adds to a request.
+    quota_redis_timeout_s: float = Field(default=0.5, gt=0, le=30)
     # A concurrency lease expires this long after its last renewal (a crashed request's
     # slot comes back by itself); running requests renew theirs every third of it.
     lease_ttl_s: float = Field(default=30.0, gt=0)

@@ -189,7 +189,10 @@ def test_rpm_limit_is_shared_by_two_instances_through_redis(
     sqlite_url: str, redis_url: str, tmp_path: Path
 ) -> None:
     limit = 12
-    with instances(tmp_path, sqlite_url, redis_url, count=2) as replicas:
+    # NOTE: a generous Redis timeout: the burst opens new pooled connections, and on a
+    # busy machine a connect over the default 0.5 s failed open (per-process limits).
+    with instances(tmp_path, sqlite_url, redis_url, count=2,
+                   quota_redis_timeout_s=10.0) as replicas:
         with replicas[0].admin() as admin:
             tenant = create_tenant(admin, "acme", rpm=limit)
             key = create_key(admin, tenant["id"])["key"]
@@ -318,6 +321,36 @@ def test_ready_reports_database_and_redis(tmp_path: Path, redis_url: str) -> Non
             while httpx.get(f"{one.base_url}/ready").status_code != 200:
                 assert time.monotonic() < deadline, "never ready again"
                 time.sleep(0.1)
+
+
+def test_the_redis_timeout_setting_bounds_what_a_hung_redis_costs(
+    sqlite_url: str, redis_url: str, tmp_path: Path
+) -> None:
+    from tests.utils.tcp_proxy import TcpProxy
+
+    def after_a_stall(timeout_s: float) -> int | str:
+        with TcpProxy("127.0.0.1", 6379) as proxy:
+            proxied = redis_url.replace("127.0.0.1:6379", f"127.0.0.1:{proxy.port}")
+            with instances(tmp_path / str(timeout_s), sqlite_url, proxied,
+                           quota_failure_mode="closed",
+                           quota_redis_timeout_s=timeout_s) as (one,):
+                with one.admin() as admin:
+                    tenant = create_tenant(admin, f"acme-{timeout_s}", rpm=100)
+                    key = create_key(admin, tenant["id"])["key"]
+                chat(one.openai(key))  # through Redis
+                proxy.stall()
+                try:
+                    return httpx.post(
+                        f"{one.base_url}/v1/chat/completions", headers=bearer(key),
+                        json={"model": MODEL, "messages": USER, "max_tokens": 2}, timeout=2.0,
+                    ).status_code
+                except httpx.ReadTimeout:
+                    return "still waiting on Redis"
+                finally:
+                    proxy.restore()
+
+    assert after_a_stall(0.2) == 503
+    assert after_a_stall(8.0) == "still waiting on Redis"
 
 
 @pytest.mark.parametrize("mode", ["open", "closed"])
