@@ -64,10 +64,12 @@ async def ready(state: AppStateDep) -> JSONResponse:
     # NOTE: 503 while draining, so that a load balancer stops routing here before
     # the listening socket closes.
     headers = {"Retry-After": str(state.settings.retry_after_s)}
-    if state.draining:
-        return JSONResponse({"status": "draining"}, status_code=503, headers=headers)
+    # NOTE: a failed engine is why the process drains (and then exits 1): "failed" says
+    # so for as long as it still answers, not only until the drain begins.
     if state.engine.failure() is not None:
         return JSONResponse({"status": "failed"}, status_code=503, headers=headers)
+    if state.draining:
+        return JSONResponse({"status": "draining"}, status_code=503, headers=headers)
     if not state.engine.is_ready():
         return JSONResponse({"status": "starting"}, status_code=503, headers=headers)
     checks: dict[str, str] = {}
