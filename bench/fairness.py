@@ -23,11 +23,12 @@ import secrets
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import httpx
 
+from bench.harness.options import opt
 from bench.harness.report import machine_description, print_row, save_report
 from bench.harness.server import checkout_model_args, clean_env, engine_counters, loraplex_serve
 from bench.harness.tenants import create_tenant
@@ -55,21 +56,25 @@ MODES = ("vtc", "fcfs")
 @dataclass(slots=True)
 class FairnessOptions:
     model: str = "default"
-    scenarios: tuple[str, ...] = ("tenants", "tiers")
-    modes: tuple[str, ...] = MODES
+    scenarios: tuple[str, ...] = opt(
+        ("tenants", "tiers"), "tenants: two standard tenants; tiers: batch floods, premium probes",
+        flag="--scenario", choices=("tenants", "tiers"))
+    modes: tuple[str, ...] = opt(MODES, "one server per mode", flag="--fairness", choices=MODES)
     flood_requests: int = 24
-    flood_prompt_len: tuple[int, int] = (400, 800)
-    flood_output_len: tuple[int, int] = (32, 32)
+    flood_prompt_len: tuple[int, int] = opt((400, 800), "min-max tokens")
+    flood_output_len: tuple[int, int] = opt((32, 32), "min-max tokens")
     probe_requests: int = 6
-    probe_prompt_len: tuple[int, int] = (20, 60)
-    probe_output_len: tuple[int, int] = (16, 16)
-    probe_start_s: float = 2.0  # after the flood was sent
-    probe_interval_s: float = 2.0
-    shared_prefix_len: int = 0  # tokens every flood prompt starts with
+    probe_prompt_len: tuple[int, int] = opt((20, 60), "min-max tokens")
+    probe_output_len: tuple[int, int] = opt((16, 16), "min-max tokens")
+    probe_start_s: float = opt(2.0, "seconds after the flood")
+    probe_interval_s: float = opt(2.0, "seconds between probes")
+    shared_prefix_len: int = opt(
+        0, "tokens every flood prompt starts with (a system prompt: prefix-cache hits)")
     seed: int = 0
     # NOTE: a probe waits at least for the step in progress and then its own: on two CPU
     # cores a 2,048-token step takes ~3 s, so steps of 512 tokens keep that floor near 1 s.
-    serve_args: list[str] = field(default_factory=lambda: ["--max-num-batched-tokens", "512"])
+    serve_args: list[str] = opt(
+        ["--max-num-batched-tokens", "512"], "extra flag for `serve`", flag="--serve-arg")
     output: Path | None = None
 
 

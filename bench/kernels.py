@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from bench.harness.options import opt
 from bench.harness.report import machine_description, save_report
 from loraplex_kernels import reference as ref
 from loraplex_kernels.reference import LoRASegments
@@ -52,15 +53,16 @@ SMOLLM2_GROUPS = (
 
 @dataclass(slots=True)
 class KernelsOptions:
-    num_tokens: tuple[int, ...] = (16, 64, 256)
-    popularity: tuple[str, ...] = ("identical", "distinct")
-    rank: int = 16  # every adapter's rank
-    max_rank: int = 64  # the slot buffers' R (what gather-bmm pads to)
-    dtype: str = "bfloat16"
+    num_tokens: tuple[int, ...] = opt((16, 64, 256), flag="--tokens")
+    popularity: tuple[str, ...] = opt(("identical", "distinct"),
+                                      choices=("identical", "distinct", "skewed"))
+    rank: int = opt(16, "every adapter's rank")
+    max_rank: int = opt(64, "the slot buffers' R (what gather-bmm pads to)")
+    dtype: str = opt("bfloat16", choices=("bfloat16", "float16", "float32"))
     warmup: int = 10
-    iters: int = 50
+    iters: int = opt(50, "timed runs; the median is kept")
     seed: int = 0
-    output: Path | None = None  # None: bench/results/kernels-<timestamp>.json
+    output: Path | None = opt(None, "JSON report", shown="bench/results/kernels-<timestamp>.json")
 
 
 @dataclass(slots=True)

@@ -23,11 +23,12 @@ import json
 import random
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
+from bench.harness.options import opt
 from bench.harness.report import print_row, report_header, write_report
 from bench.harness.server import engine_counters, model_name, running_server
 from bench.harness.workload import (
@@ -54,20 +55,20 @@ class LongPromptOptions:
     long_requests: int = 3
     long_prompt_len: int = 8000
     long_output_len: int = 8
-    long_interval_s: float = 20.0
-    short_rate: float = 0.5  # requests per second, Poisson
-    short_prompt_len: tuple[int, int] = (32, 96)
+    long_interval_s: float = opt(20.0, "seconds between long prompts")
+    short_rate: float = opt(0.5, "short prompts per second (Poisson)")
+    short_prompt_len: tuple[int, int] = opt((32, 96), "min-max tokens")
     short_output_len: int = 16
     seed: int = 0
-    settings: tuple[str, ...] = ("unchunked", "uncapped", "capped")
+    settings: tuple[str, ...] = opt(
+        ("unchunked", "uncapped", "capped"), "one server per setting", flag="--setting",
+        choices=("unchunked", "uncapped", "capped"))
     # NOTE: steps of 512 tokens: on two CPU cores a step at an 8k context takes ~1-2 s, so
     # a short prompt's floor (the step in progress, then its own) stays near a few seconds.
-    serve_args: list[str] = field(
-        default_factory=lambda: [
-            "--max-num-batched-tokens", "512", "--kv-cache-tokens", "40960",
-        ]
-    )
-    output: Path | None = None
+    serve_args: list[str] = opt(
+        ["--max-num-batched-tokens", "512", "--kv-cache-tokens", "40960"],
+        "extra flag for `serve`", flag="--serve-arg")
+    output: Path | None = opt(None, "JSON report")
 
 
 @dataclass(slots=True)

@@ -12,11 +12,12 @@ import statistics
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from bench.harness.adapters import ALL_LINEAR, ATTENTION, write_random_adapter
+from bench.harness.options import opt
 from bench.harness.report import print_row, report_header, write_report
 from bench.harness.server import model_name, running_server
 from bench.harness.workload import BenchRequest, LoadResult, make_requests, percentile, run_load
@@ -37,17 +38,18 @@ class LoRABenchOptions:
     num_adapters: int = 32
     num_requests: int = 32
     rank: int = 16
-    targets: str = "attention"
-    prompt_len: tuple[int, int] = (32, 256)
-    output_len: tuple[int, int] = (64, 128)
+    targets: str = opt("attention", choices=("qv", "attention", "all-linear"))
+    prompt_len: tuple[int, int] = opt((32, 256), "min-max tokens")
+    output_len: tuple[int, int] = opt((64, 128), "min-max tokens")
     zipf_alpha: float = 1.0
     seed: int = 0
-    repeats: int = 2
+    repeats: int = opt(2, "alternating rounds")
     # Streams (per-token SSE) cost the load generator, which shares the CPU with the
     # server here; throughput figures use plain responses unless asked.
-    stream: bool = False
-    hf_batch_size: int = 8
-    serve_args: list[str] = field(default_factory=list)
+    stream: bool = opt(False, "send requests as SSE streams (TTFT/TPOT figures, more client work)")
+    hf_batch_size: int = 8  # lora-vs-peft
+    loads: int = 20  # lora-cold-load
+    serve_args: list[str] = opt([], "extra flag for `serve`", flag="--serve-arg")
     output: Path | None = None
 
 
@@ -324,7 +326,7 @@ def run_overhead(opts: LoRABenchOptions) -> dict[str, Any]:
 # ---------------------------------------------------------------------------- cold load
 
 
-def run_cold_load(opts: LoRABenchOptions, *, loads: int = 20) -> dict[str, Any]:
+def run_cold_load(opts: LoRABenchOptions) -> dict[str, Any]:
     """An adapter from disk to ready: read + validate + host copy (add_adapter), then the
     device-slot install its first request pays; PEFT's `load_adapter` of the same files
     on the same machine is the baseline."""
@@ -343,7 +345,7 @@ def run_cold_load(opts: LoRABenchOptions, *, loads: int = 20) -> dict[str, Any]:
     peft_load: list[float] = []
     size_bytes = 0
     with tempfile.TemporaryDirectory() as tmp:
-        for i in range(loads):
+        for i in range(opts.loads):
             # A fresh directory each time, written before the clock starts. NOTE: the page
             # cache still holds it; a load from a cold disk adds the read time of
             # size_bytes.

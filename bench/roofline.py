@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from bench.harness.options import internal, opt
 from bench.harness.report import machine_description, print_row, write_report
 from engine.config import EngineConfig, default_data_dir
 from engine.core.model_runner import dtype_name
@@ -40,20 +41,22 @@ from engine.models.loader import load_model_config, resolve_model_dir
 class RooflineOptions:
     model: str = "default"
     num_seqs: int = 32
-    context_len: tuple[int, int] = (200, 500)
-    num_adapters: int = 8  # 0: base model only
+    context_len: tuple[int, int] = opt((200, 500), "min-max tokens")
+    num_adapters: int = opt(8, "0: base model only")
     rank: int = 16
-    targets: str = "attention"
-    dtype: str = "auto"  # the engine's --dtype (auto: what serving picks on this machine)
-    steps: int = 16  # timed decode steps per scenario and round
-    profiled_steps: int = 3
-    repeats: int = 2  # alternating rounds of base / adapters; the best step is kept
+    targets: str = opt("attention", choices=("qv", "attention", "all-linear"))
+    dtype: str = opt("auto", "the engine's dtype (auto: what serving picks here)",
+                     choices=("auto", "float32", "bfloat16"))
+    steps: int = opt(16, "timed decode steps per round")
+    profiled_steps: int = internal(3)
+    # the best step of the alternating rounds is kept
+    repeats: int = opt(2, "alternating base/LoRA rounds")
     # Also time steps alternating between the CPU decode kernel and the gather + SDPA
     # path (loraplex_kernels/cpu_decode.py) on the same running batch.
-    compare_gather: bool = False
+    compare_gather: bool = opt(False, "also alternate kernel / gather steps")
     # Also time steps alternating between the fused CPU kernels (loraplex_kernels/cpu_ops.py:
     # RMSNorm, the LoRA rows of decode segments) and the torch ops they replace.
-    compare_cpu_ops: bool = False
+    compare_cpu_ops: bool = opt(False, "also alternate fused CPU kernels / torch ops steps")
     seed: int = 0
     output: Path | None = None
 

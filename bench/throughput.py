@@ -12,9 +12,10 @@ import asyncio
 import json
 import subprocess
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
+from bench.harness.options import opt
 from bench.harness.report import machine_description, print_row, write_report
 from bench.harness.server import ProcessMemory, model_name, running_server
 from bench.harness.workload import BenchRequest, LoadResult, make_requests, run_load
@@ -28,17 +29,17 @@ class ThroughputOptions:
     model: str = "default"
     num_requests: int = 32
     concurrency: int = 32
-    prompt_len: tuple[int, int] = (20, 400)
-    output_len: tuple[int, int] = (16, 128)
+    prompt_len: tuple[int, int] = opt((20, 400), "min-max tokens")
+    output_len: tuple[int, int] = opt((16, 128), "min-max tokens")
     seed: int = 0
     hf_batch_size: int = 8
     hf_single_requests: int = 4  # one-at-a-time is slow: a prefix of the requests
-    skip_hf: bool = False
+    skip_hf: bool = opt(False, "engine only, no baseline")
     # Each side runs this many times, alternating; the best run of each is compared.
     # NOTE: best-of estimates the uncontended speed on a shared, noisy machine; every
     # run is kept in the JSON report.
-    repeats: int = 1
-    serve_args: list[str] = field(default_factory=list)
+    repeats: int = opt(1, "alternating runs; best compared")
+    serve_args: list[str] = opt([], "extra flag for `serve`", flag="--serve-arg")
     output: Path | None = None
 
 

@@ -40,6 +40,7 @@ from bench.gateway.server import (
     flush_redis,
     running_servers,
 )
+from bench.harness.options import internal, opt
 from bench.harness.report import machine_description, save_report
 from bench.harness.workload import percentile
 
@@ -51,18 +52,23 @@ _CHAT_MESSAGES = [{"role": "user", "content": "Say hello to the gateway benchmar
 
 @dataclass(slots=True)
 class GatewayOptions:
-    rate: float = 200.0  # open-loop requests/s
-    duration_s: float = 10.0  # each measured run
-    warmup_s: float = 1.0  # before each run, same load, not measured
-    concurrency: int = 32  # closed-loop workers
-    repeats: int = 3
+    rate: float = opt(200.0, "open-loop requests/s")
+    duration_s: float = opt(10.0, "seconds per measured run")
+    warmup_s: float = opt(1.0, "seconds of the same load before each run")
+    concurrency: int = opt(32, "closed-loop workers")
+    repeats: int = opt(3, "alternating rounds")
     max_tokens: int = 16
-    client: str = "raw"  # the load generator's HTTP client: "raw" | "httpx"
+    client: str = opt(
+        "raw", "the load generator's HTTP client (raw: minimal keep-alive HTTP/1.1)",
+        choices=("raw", "httpx"))
     # None: a fresh SQLite file per server; else this (migrated here) database for both.
-    database_url: str | None = None
-    redis_url: str = DEFAULT_REDIS_URL  # flushed before the run
-    output: Path | None = None  # None: bench/results/gateway-<timestamp>.json
-    quiet: bool = False
+    database_url: str | None = opt(
+        None, "a fresh database both servers share (migrated first)",
+        shown="SQLite files in a temporary directory")
+    redis_url: str = opt(
+        DEFAULT_REDIS_URL, "the quota store; this Redis database is FLUSHED before the run")
+    output: Path | None = opt(None, "JSON report", shown="bench/results/gateway-<timestamp>.json")
+    quiet: bool = internal(False)
 
 
 @dataclass(slots=True)

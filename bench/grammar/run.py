@@ -34,6 +34,7 @@ from bench.grammar.backends import GrammarBackend, GrammarError, library_require
 from bench.grammar.cases import CASES, GrammarCase, hostile_cases
 from bench.grammar.driver import BatchRun, DriveOptions, Driver, Stats
 from bench.grammar.hostile import HostileResult, run_hostile
+from bench.harness.options import internal, opt
 from bench.harness.report import machine_description, save_report
 from engine.config import default_data_dir
 from engine.models.loader import load_model_config, resolve_model_dir
@@ -44,19 +45,20 @@ LIBRARIES = ("xgrammar", "llguidance")
 @dataclass(slots=True)
 class GrammarOptions:
     model: str = "default"
-    libraries: tuple[str, ...] = LIBRARIES
+    libraries: tuple[str, ...] = opt(LIBRARIES, flag="--library", choices=LIBRARIES)
     batch_size: int = 32
-    steps: int = 256  # decode steps of the mixed run
-    case_steps: int = 96  # decode steps of each case alone; 0: none
+    steps: int = opt(256, "timed decode steps, mixed run")
+    case_steps: int = opt(96, "timed decode steps of each case alone (0: none)")
     compile_runs: int = 10  # cold and cached compiles of each case
-    repeats: int = 2  # mixed runs per library, alternating libraries
-    hostile_timeout_s: float = 30.0  # per hostile case
+    repeats: int = opt(2, "mixed runs per library, alternating libraries")
+    hostile_timeout_s: float = opt(
+        30.0, "seconds per hostile grammar before its worker is killed")
     seed: int = 0
     # 16 mixed steps, one round, no per-case runs, 2 compile runs, three hostile cases with
     # 3 s each, run alongside the rest.
-    quick: bool = False
-    output: Path | None = None  # None: bench/results/grammar-<timestamp>.json
-    quiet: bool = False
+    quick: bool = opt(False, "a short run that checks everything works")
+    output: Path | None = opt(None, "JSON report", shown="bench/results/grammar-<timestamp>.json")
+    quiet: bool = internal(False)
 
     def effective(self) -> GrammarOptions:
         if not self.quick:

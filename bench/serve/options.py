@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from bench.harness.options import internal, opt
 from bench.harness.report import jsonable
 from bench.serve.stats import SLO, rate_label
 from bench.serve.workload import parse_rates
@@ -17,34 +17,47 @@ DEFAULT_NUM_REQUESTS = 64
 
 @dataclass(slots=True)
 class ServeOptions:
-    base_url: str | None = None  # None: start `loraplex serve` here
-    model: str | None = None  # None: "default" when started here, else the server's first
-    adapter_models: dict[str, str] = field(default_factory=dict)  # lora-i -> served name
-    api_key: str | None = None
-    vocab_size: int | None = None  # None: from the local model's config
-    rates: list[float] = field(default_factory=lambda: [1.0])
-    burstiness: float = 1.0
-    num_requests: int | None = None  # per rate; None: DEFAULT_NUM_REQUESTS without duration
-    duration_s: float | None = None  # per rate, of arrivals
-    max_concurrency: int | None = None
-    prompt_len: tuple[int, int] = (64, 512)
-    output_len: tuple[int, int] = (32, 128)
-    dataset: Path | None = None
-    num_adapters: int = 0
-    adapter_dist: str = "uniform"
+    base_url: str | None = opt(
+        None, "an OpenAI-compatible server to load", shown="start `loraplex serve`")
+    model: str | None = opt(
+        None, "base model", shown="`default` when started here, else the server's first")
+    adapter_models: dict[str, str] = opt(  # lora-i -> the served name
+        {}, "what the server at --base-url calls adapter NAME (lora-0, lora-1, ...)",
+        flag="--adapter-model", metavar="NAME=SERVED_NAME", repeat=True,
+        parse=lambda pairs: dict(_name_pair(pair) for pair in pairs))
+    api_key: str | None = opt(None, "sent as a Bearer token")
+    vocab_size: int | None = opt(
+        None, "for random token prompts", shown="from the local model's config")
+    rates: list[float] = opt(
+        [1.0], "requests/s, repeatable or a comma list; inf: all at once", flag="--rate",
+        shown="1", repeat=True, parse=parse_rates)
+    burstiness: float = opt(1.0, "gamma shape of the gaps: 1 Poisson, < 1 burstier")
+    num_requests: int | None = opt(
+        None, "per rate", shown=f"{DEFAULT_NUM_REQUESTS} unless --duration")
+    duration_s: float | None = opt(None, "seconds of arrivals per rate")
+    max_concurrency: int | None = opt(None, "cap on streams in flight")
+    prompt_len: tuple[int, int] = opt((64, 512), "N or min-max tokens")
+    output_len: tuple[int, int] = opt((32, 128), "N or min-max tokens")
+    dataset: Path | None = opt(
+        None, 'JSONL: {"prompt" or "prompt_len", "output_len"} per line',
+        path={"dir_okay": False, "exists": True})
+    num_adapters: int = opt(0, "rank-16 adapters lora-0..; 0: base model only")
+    adapter_dist: str = opt("uniform", choices=("uniform", "zipf"))
     zipf_alpha: float = 1.0
-    shared_prefix_fraction: float = 0.0
-    shared_prefix_len: int = 256
-    slo_ttft_s: float = 2.0
-    slo_tpot_s: float = 0.2
+    shared_prefix_fraction: float = opt(
+        0.0, "requests that start with their adapter's system prompt")
+    shared_prefix_len: int = opt(256, "tokens")
+    slo_ttft_s: float = opt(2.0, "seconds")
+    slo_tpot_s: float = opt(0.2, "seconds")
     seed: int = 0
     request_timeout_s: float = 600.0
-    metrics_interval_s: float = 0.5
+    metrics_interval_s: float = internal(0.5)
     ignore_eos: bool = True
-    serve_args: list[str] = field(default_factory=list)
-    adapters_root: Path = Path("bench/results/adapters")  # generated once, then reused
-    output: Path | None = None  # None: bench/results/serve-<timestamp>.json
-    plot: Path | None = None
+    serve_args: list[str] = opt([], "extra flag for `serve`", flag="--serve-arg")
+    adapters_root: Path = internal(Path("bench/results/adapters"))  # generated once, reused
+    output: Path | None = opt(
+        None, "JSON report", shown="bench/results/serve-<timestamp>.json")
+    plot: Path | None = opt(None, "PNG of the sweep")
 
     @property
     def slo(self) -> SLO:
@@ -93,33 +106,6 @@ class ServeOptions:
         out["rates"] = [rate_label(r) if math.isinf(r) else r for r in self.rates]
         out["api_key"] = None if self.api_key is None else "<set>"  # never in a report
         return out
-
-
-def options_from_cli(
-    *, rates: Sequence[str], prompt_len: str, output_len: str, adapter_models: Sequence[str],
-    serve_args: Sequence[str], **kwargs: Any,
-) -> ServeOptions:
-    """ServeOptions from the command line's strings; ValueError names a bad one."""
-    return ServeOptions(
-        rates=parse_rates(rates),
-        prompt_len=parse_length_range(prompt_len, "--prompt-len"),
-        output_len=parse_length_range(output_len, "--output-len"),
-        adapter_models=dict(_name_pair(pair) for pair in adapter_models),
-        serve_args=[a for arg in serve_args for a in arg.split()],
-        **kwargs,
-    )
-
-
-def parse_length_range(value: str, option: str) -> tuple[int, int]:
-    """"N" or "MIN-MAX" tokens."""
-    low, _, high = value.partition("-")
-    try:
-        pair = int(low), int(high or low)
-    except ValueError:
-        raise ValueError(f"{option} takes N or MIN-MAX tokens, not {value!r}") from None
-    if not 1 <= pair[0] <= pair[1]:
-        raise ValueError(f"{option} needs 1 <= MIN <= MAX, not {value!r}")
-    return pair
 
 
 def _name_pair(pair: str) -> tuple[str, str]:

@@ -29,7 +29,7 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import httpx
@@ -38,6 +38,7 @@ from sqlalchemy.pool import NullPool
 
 from bench.harness import loops
 from bench.harness.adapters import write_random_adapter
+from bench.harness.options import internal, opt
 from bench.harness.report import machine_description, save_report
 from bench.harness.server import checkout_model_args, clean_env, loraplex_serve
 from bench.harness.tenants import create_tenant
@@ -53,25 +54,29 @@ DEFAULT_KV_CACHE_TOKENS = 8192
 @dataclass(slots=True)
 class SoakOptions:
     model: str = "default"
-    minutes: float = 2.0
-    seconds: float | None = None  # overrides minutes
-    load_fraction: float = 0.7
-    capacity_s: float = 20.0
+    minutes: float = opt(2.0, "length of the open-loop load")
+    seconds: float | None = opt(None, "length in seconds (overrides --minutes)")
+    load_fraction: float = opt(
+        0.7, "open-loop rate as a fraction of the capacity measured first")
+    capacity_s: float = opt(20.0, "seconds of the closed loop that measures capacity")
     capacity_concurrency: int = 8
-    max_tokens: int = 16
-    cut_max_tokens: int = 64
-    upload_interval_s: float = 15.0
-    adapter_rank: int = 4
+    max_tokens: int = opt(16, "of plain requests and of streams read to the end")
+    cut_max_tokens: int = opt(64, "of the streams the client cuts after 2-4 chunks")
+    upload_interval_s: float = opt(15.0, "seconds between adapter uploads during the load")
+    adapter_rank: int = internal(4)
     # NOTE: the engine keeps its peak step footprint in the heap (engine/runtime/host_memory.py)
     # and the allocator fragments: on SmolLM2 on the CPU RSS rises ~300 MiB in the first
     # minutes of this load, more slowly all the time; a leak keeps rising, which the
     # second-half check catches.
-    rss_slack_mib: int = 512
-    max_in_flight: int = 256  # the open loop skips arrivals past this (and fails the run)
+    rss_slack_mib: int = opt(512, "RSS growth over the baseline still taken for no leak")
+    max_in_flight: int = internal(256)  # the open loop skips arrivals past this (fails)
     seed: int = 0
-    database_url: str | None = None  # None: SQLite in the temporary data directory
-    redis_url: str | None = None  # FLUSHED before the run; None: per-process quotas
-    serve_args: list[str] = field(default_factory=list)
+    database_url: str | None = opt(
+        None, "a fresh database (migrated first)", shown="SQLite in a temporary directory")
+    redis_url: str | None = opt(
+        None, "Redis quotas; this Redis database is FLUSHED before the run",
+        shown="per-process quotas")
+    serve_args: list[str] = opt([], "extra flag for `serve`", flag="--serve-arg")
     output: Path | None = None
 
     @property

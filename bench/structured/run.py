@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from bench.harness.options import internal, opt
 from bench.harness.report import machine_description, save_report
 from bench.lora import make_adapters
 from bench.structured.cases import (
@@ -53,11 +54,12 @@ _STRUCTURED = "loraplex_structured_requests_total"
 @dataclass(slots=True)
 class StructuredOptions:
     model: str = "default"
-    num_adapters: int = 8
+    num_adapters: int = opt(8, "random adapters of the step-time load (--max-loras the same)")
     rank: int = 16
-    num_requests: int = 32
-    max_tokens: int = 64
-    repeats: int = 3  # rounds of each load, alternating which goes first
+    num_requests: int = opt(
+        32, "concurrent streams of each load; half of the first load constrained")
+    max_tokens: int = opt(64, "per stream, ignore_eos")
+    repeats: int = opt(3, "rounds of each load, alternating which goes first")
     compile_runs: int = 20
     schema_requests: int = 50
     tool_requests: int = 50
@@ -65,11 +67,15 @@ class StructuredOptions:
     validity_max_tokens: int = 384
     # PEFT directories of the validity run's adapters (one sub-directory each); None: the
     # demo adapters from the demo's cache under the data directory, trained if missing.
-    adapters_dir: Path | None = None
+    adapters_dir: Path | None = opt(
+        None, "PEFT adapters for the validity checks",
+        shown="the demo adapters, trained once if not cached",
+        path={"file_okay": False, "exists": True})
     seed: int = 0
-    quick: bool = False  # a small version of everything, for a test
-    output: Path | None = None  # None: bench/results/structured-<timestamp>.json
-    quiet: bool = False
+    quick: bool = opt(False, "a short run that checks everything works")
+    output: Path | None = opt(
+        None, "JSON report", shown="bench/results/structured-<timestamp>.json")
+    quiet: bool = internal(False)
 
     def effective(self) -> StructuredOptions:
         if not self.quick:

@@ -19,6 +19,7 @@ import pytest
 from click.testing import CliRunner
 
 from bench.cli import bench
+from bench.harness.options import parse_length_range
 from bench.serve.client import RequestRecord
 from bench.serve.monitor import (
     KV_FILLED,
@@ -32,7 +33,7 @@ from bench.serve.monitor import (
     read_rss_bytes,
     summarize_samples,
 )
-from bench.serve.options import ServeOptions, parse_length_range
+from bench.serve.options import ServeOptions
 from bench.serve.run import ServeReport, run_serve
 from bench.serve.stats import SLO, summarize
 from bench.serve.target import started_server
