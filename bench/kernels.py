@@ -120,7 +120,7 @@ def run_kernels(opts: KernelsOptions) -> dict[str, object]:
     if not torch.cuda.is_available():
         print(
             "loraplex bench kernels needs a CUDA GPU (the Triton kernels run compiled); "
-            "the kernels' correctness tests run anywhere: pytest tests/kernels",
+            "the kernels' correctness tests run anywhere: pytest tests/gpu",
             file=sys.stderr,
         )
         raise SystemExit(2)

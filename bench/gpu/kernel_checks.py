@@ -1,33 +1,20 @@
-"""The kernel steps of the GPU check: the kernel tests, lora_shrink / lora_expand against
-loraplex_kernels/reference.py at serving shapes, and their achieved memory bandwidth."""
+"""Mixed-rank LoRA batches at serving shapes for the Triton kernels, and the GPU check's
+bandwidth step over them (tests/gpu/test_kernel_accuracy.py checks their results)."""
 
 from __future__ import annotations
 
 import functools
-import os
-import re
 import statistics
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from bench.kernels import LoRAGroupShape, LoRAProblem, cuda_time_us
-from loraplex_kernels import reference as ref
 from loraplex_kernels.reference import LoRASegments
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-# (rtol, atol) per dtype, as in tests/kernels: 16-bit y is stored rounded, and compiled
-# expand multiplies the shrunk rows rounded to the adapter's dtype.
-TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
-    torch.bfloat16: (2e-2, 2e-2),
-    torch.float16: (5e-3, 5e-3),
-}
 RANK_POOL = (8, 16, 32, 64)  # a slot's slice k takes RANK_POOL[(slot + k) % 4]
 MAX_RANK = 64
 BANDWIDTH_AIM = 0.7  # achieved bytes/s as a share of the device-to-device copy's
@@ -106,133 +93,16 @@ def make_mixed_problem(
     )
 
 
-def _shrink(p: LoRAProblem) -> torch.Tensor:
+def shrink(p: LoRAProblem) -> torch.Tensor:
     from loraplex_kernels.lora_shrink import lora_shrink
 
     return lora_shrink(p.x, p.lora_a, p.ranks, p.segs)
 
 
-def _expand(p: LoRAProblem) -> None:
+def expand(p: LoRAProblem) -> None:
     from loraplex_kernels.lora_expand import lora_expand
 
     lora_expand(p.y, p.shrunk, p.lora_b, p.ranks, p.scalings, p.slice_offsets, p.segs)
-
-
-# ---------------------------------------------------------------------------- tests
-
-
-@dataclass(slots=True)
-class PytestRun:
-    returncode: int
-    passed: int
-    failed: int
-    summary: str  # pytest's last line
-    interpreted: bool
-
-
-def run_kernel_tests(select: str | None, timeout_s: float) -> PytestRun:
-    """pytest tests/kernels in a child process: compiled where CUDA is (the folder's
-    conftest turns on the interpreter only without it)."""
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/kernels"]
-    if select:
-        cmd += ["-k", select]
-    # No plugin autoload: the kernel tests need none, and the image's (or the dev venv's
-    # browser and async) plugins only slow the start.
-    env = {**os.environ, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
-    proc = subprocess.run(
-        cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout_s
-    )
-    print(proc.stdout[-4000:], proc.stderr[-2000:], sep="\n", flush=True)
-    lines = [line for line in proc.stdout.splitlines() if line.strip()]
-    summary = lines[-1] if lines else proc.stderr.strip()[-200:]
-    return PytestRun(
-        returncode=proc.returncode,
-        passed=_count(summary, "passed"),
-        failed=_count(summary, "failed") + _count(summary, "errors?"),
-        summary=summary,
-        interpreted=not torch.cuda.is_available(),
-    )
-
-
-def _count(summary: str, word: str) -> int:
-    """How many tests pytest's summary line ("3 passed, 1 failed in 2.0s") puts under word."""
-    return sum(int(n) for n in re.findall(rf"(\d+) {word}", summary))
-
-
-# ---------------------------------------------------------------------------- accuracy
-
-
-@dataclass(slots=True)
-class AccuracyCase:
-    group: str
-    batch: str
-    dtype: str
-    op: str  # "shrink" | "expand"
-    num_tokens: int
-    num_segments: int  # distinct adapters in the batch
-    max_abs_err: float
-    max_rel_err: float  # max |got - want| / max |want|
-    rtol: float
-    atol: float
-    within_tolerance: bool
-
-
-def check_accuracy(
-    groups: tuple[LoRAGroupShape, ...],
-    batches: tuple[BatchSpec, ...],
-    dtypes: tuple[torch.dtype, ...],
-    device: torch.device,
-) -> list[AccuracyCase]:
-    cases: list[AccuracyCase] = []
-    for dtype in dtypes:
-        rtol, atol = TOLERANCES[dtype]
-        for gi, group in enumerate(groups):
-            for bi, spec in enumerate(batches):
-                p = make_mixed_problem(group, spec, dtype, device, seed=100 * gi + bi)
-                got_shrunk = _shrink(p)
-                y0 = p.y.clone()
-                _expand(p)
-                got_y, p.y = p.y, y0.clone()
-                ref.lora_expand(
-                    p.y, p.shrunk, p.lora_b, p.ranks, p.scalings, p.slice_offsets, p.segs
-                )
-                num_segments = len(p.segs.segments)
-                for op, got, want in (("shrink", got_shrunk, p.shrunk), ("expand", got_y, p.y)):
-                    cases.append(
-                        _compare(group.name, spec, num_segments, dtype, op, got, want, rtol, atol)
-                    )
-                del p, got_shrunk, got_y, y0
-    return cases
-
-
-def _compare(
-    group: str,
-    spec: BatchSpec,
-    num_segments: int,
-    dtype: torch.dtype,
-    op: str,
-    got: torch.Tensor,
-    want: torch.Tensor,
-    rtol: float,
-    atol: float,
-) -> AccuracyCase:
-    got32, want32 = got.float(), want.float()
-    diff = (got32 - want32).abs()
-    scale = want32.abs().max().item()
-    return AccuracyCase(
-        group=group,
-        batch=spec.name,
-        dtype=str(dtype).removeprefix("torch."),
-        op=op,
-        num_tokens=spec.num_tokens,
-        num_segments=num_segments,
-        max_abs_err=diff.max().item(),
-        max_rel_err=diff.max().item() / scale if scale > 0 else 0.0,
-        rtol=rtol,
-        atol=atol,
-        within_tolerance=bool(torch.allclose(got32, want32, rtol=rtol, atol=atol))
-        and bool(torch.isfinite(got32).all()),
-    )
 
 
 # ---------------------------------------------------------------------------- bandwidth
@@ -313,7 +183,7 @@ def measure_bandwidth(
             p = make_mixed_problem(group, spec, dtype, device, seed=7 + 100 * gi + bi)
             y = p.y.clone()
             # Expand adds into y in place; timing it over and over only grows y.
-            ops: dict[str, Callable[[LoRAProblem], object]] = {"shrink": _shrink, "expand": _expand}
+            ops: dict[str, Callable[[LoRAProblem], object]] = {"shrink": shrink, "expand": expand}
             for op, fn in ops.items():
                 seconds = time_op(functools.partial(fn, p), warmup, iters, on_cuda)
                 moved = _min_bytes(p, op)

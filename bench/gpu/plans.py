@@ -17,7 +17,8 @@ class Plan:
     the same code on two CPU cores in well under a minute."""
 
     dry_run: bool
-    kernel_test_select: str | None  # pytest -k for tests/kernels; None: all of them
+    test_select: str | None  # pytest -k for tests/gpu; None: all of them
+    tests_timeout_s: float
     kernel_dims: tuple[int, int, int, int]  # hidden, intermediate, q size, kv size
     accuracy_batches: tuple[tuple[str, int, int, str], ...]  # BatchSpec fields
     bandwidth_batches: tuple[tuple[str, int, int, str], ...]
@@ -60,7 +61,8 @@ class ThroughputPlan:
 
 GPU_PLAN = Plan(
     dry_run=False,
-    kernel_test_select=None,
+    test_select=None,
+    tests_timeout_s=240.0,
     kernel_dims=(4096, 14336, 4096, 1024),  # Llama-3-8B
     accuracy_batches=(
         ("decode-256-distinct", 256, 1, "distinct"),
@@ -104,8 +106,11 @@ GPU_PLAN = Plan(
 
 DRY_RUN_PLAN = Plan(
     dry_run=True,
-    # Two of the kernel tests: the whole folder takes ~20 s in the interpreter here.
-    kernel_test_select="strided_activation_views or slot_without_any_adapted_slice",
+    # Two of the Triton kernel tests (all of them take ~10-20 s in the interpreter here),
+    # the kernels at the plan's shapes and the engine against HF.
+    test_select=("strided_activation_views or slot_without_any_adapted_slice "
+                 "or serving_shapes or engine_matches_hf"),
+    tests_timeout_s=180.0,
     kernel_dims=(32, 48, 32, 16),
     accuracy_batches=(
         ("decode-4-distinct", 4, 1, "distinct"),
