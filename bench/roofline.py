@@ -105,7 +105,8 @@ _SCOPE_SELF_PART = {"attention": "kv_write", "lora": "lora", "norms": "norms", "
                     "activation": "activation", "lm_head": "lm_head", "sampling": "sampling"}
 _KERNEL_SCOPE = "decode_kernel"
 # The AMX linear kernel's C call (loraplex_kernels/cpu_amx.py): the linear layers' part,
-# or the lm_head's when the output projection runs it.
+# or the lm_head's when the output projection runs it. Its gate_up call with the SiLU in
+# it (linear_silu_mul) counts to linear too: the weight read is nearly all of it.
 _AMX_SCOPE = "amx_linear"
 
 
@@ -163,6 +164,8 @@ def _scoped(core: Any) -> Iterator[None]:
     from loraplex_kernels import cpu_amx
 
     patches.append((cpu_amx, "linear", cpu_amx.linear))
+    names.append(_AMX_SCOPE)
+    patches.append((cpu_amx, "linear_silu_mul", cpu_amx.linear_silu_mul))
     names.append(_AMX_SCOPE)
     try:  # trees without the CPU decode kernel profile without it
         from loraplex_kernels import cpu_decode

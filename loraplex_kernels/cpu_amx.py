@@ -31,6 +31,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.amx_ready.argtypes, lib.amx_ready.restype = [], ctypes.c_int
     lib.amx_linear_bf16.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64]
     lib.amx_linear_bf16.restype = ctypes.c_int
+    lib.amx_linear_silu_mul_bf16.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64]
+    lib.amx_linear_silu_mul_bf16.restype = ctypes.c_int
     lib.amx_causal_attention_bf16.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, i64, i64, i64,
                                               i64, ctypes.c_float, ptr, i64]
     lib.amx_causal_attention_bf16.restype = ctypes.c_int
@@ -80,6 +82,25 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
            bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] bfloat16 (1 <= M <= MAX_ROWS, unit stride within rows) . W^T + bias ->
     new [M, N], W packed by pack_weight; summed in float32 and rounded once."""
+    return _linear("amx_linear_bf16", x, packed, out_features, out_features, bias)
+
+
+def linear_silu_mul(x: torch.Tensor, packed: torch.Tensor, out_features: int,
+                    bias: torch.Tensor | None = None) -> torch.Tensor:
+    """A fused gate_up projection (W: the gate rows, then as many up rows) and its SiLU:
+    new [M, N / 2], equal bit for bit to cpu_ops.silu_mul(linear(x, ...)) without the
+    [M, N] product in between. N a multiple of 64 (silu_mul_fits)."""
+    assert silu_mul_fits(out_features), out_features
+    return _linear("amx_linear_silu_mul_bf16", x, packed, out_features, out_features // 2, bias)
+
+
+def silu_mul_fits(out_features: int) -> bool:
+    """Whether linear_silu_mul takes a gate_up weight of this many rows."""
+    return out_features % 64 == 0
+
+
+def _linear(kernel: str, x: torch.Tensor, packed: torch.Tensor, out_features: int,
+            out_columns: int, bias: torch.Tensor | None) -> torch.Tensor:
     lib = _granted_library()
     m, k = x.shape
     assert x.dtype == torch.bfloat16 and x.stride(1) == 1 and 1 <= m <= MAX_ROWS, (
@@ -88,8 +109,8 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
     if bias is not None:
         assert bias.dtype == torch.bfloat16 and bias.is_contiguous()
         assert bias.shape == (out_features,)
-    y = torch.empty(m, out_features, dtype=torch.bfloat16)
-    failed = lib.amx_linear_bf16(
+    y = torch.empty(m, out_columns, dtype=torch.bfloat16)
+    failed = getattr(lib, kernel)(
         x.data_ptr(), x.stride(0), m, k, packed.data_ptr(), out_features,
         None if bias is None else bias.data_ptr(), y.data_ptr(), torch.get_num_threads(),
     )

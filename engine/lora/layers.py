@@ -112,9 +112,13 @@ class LoRAGroup:
         self.scalings[slot] = 0.0
         self.slot_active[slot] = False
 
+    def touches(self, segs: ref.LoRASegments) -> bool:
+        """Whether any row of the step has an adapter that adapts a slice of this group."""
+        return any(self.slot_active[slot] for _, _, slot in segs.segments)
+
     def apply(self, y: torch.Tensor, x: torch.Tensor, segs: ref.LoRASegments) -> None:
         """y [T, OUT] += each adapted row's LoRA delta of x [T, IN], in place."""
-        if not any(self.slot_active[slot] for _, _, slot in segs.segments):
+        if not self.touches(segs):
             return
         if self.use_kernels:
             from loraplex_kernels.lora_expand import lora_expand

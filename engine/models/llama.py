@@ -112,18 +112,27 @@ class LlamaMLP(nn.Module):
         self.down_lora: LoRAGroup | None = None
 
     def forward(self, x: torch.Tensor, lora: ref.LoRASegments | None = None) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)  # [T, 2 I]
-        if lora is not None and self.gate_up_lora is not None:
-            self.gate_up_lora.apply(gate_up, x, lora)
-        if gate_up.stride(1) == 1 and cpu_ops.available(gate_up.device, gate_up.dtype):
-            h = cpu_ops.silu_mul(gate_up)  # one pass, not two
-        else:
-            inter = self.intermediate_size
-            h = F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])  # one temporary, not two
+        adapted = (lora is not None and self.gate_up_lora is not None
+                   and self.gate_up_lora.touches(lora))
+        # A packed CPU layer may run the SiLU in its own matmul (cpu_linear.PackedLinear);
+        # not when an adapter's delta must be added to gate_up before it.
+        fused = None if adapted else getattr(self.gate_up_proj, "silu_mul", None)
+        h = None if fused is None else fused(x)
+        if h is None:
+            h = self._silu_mul(x, lora if adapted else None)
         y = self.down_proj(h)
         if lora is not None and self.down_lora is not None:
             self.down_lora.apply(y, h, lora)
         return y
+
+    def _silu_mul(self, x: torch.Tensor, lora: ref.LoRASegments | None) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)  # [T, 2 I]
+        if lora is not None and self.gate_up_lora is not None:
+            self.gate_up_lora.apply(gate_up, x, lora)
+        if gate_up.stride(1) == 1 and cpu_ops.available(gate_up.device, gate_up.dtype):
+            return cpu_ops.silu_mul(gate_up)  # one pass, not two
+        inter = self.intermediate_size
+        return F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])  # one temporary, not two
 
 
 class LlamaDecoderLayer(nn.Module):

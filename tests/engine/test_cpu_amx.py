@@ -10,8 +10,17 @@ import torch
 import torch.nn.functional as F
 
 from engine.config import EngineConfig
-from engine.models.cpu_linear import PackedLinear, amx_weight_bytes, packing_available
-from loraplex_kernels import cpu_amx, cpu_build
+from engine.lora.layers import LoRAGroup
+from engine.lora.weights import LoRAModule
+from engine.models.config import ModelConfig
+from engine.models.cpu_linear import (
+    PackedLinear,
+    amx_weight_bytes,
+    pack_linears,
+    packing_available,
+)
+from engine.models.llama import LlamaMLP
+from loraplex_kernels import cpu_amx, cpu_build, cpu_ops
 from loraplex_kernels import reference as ref
 
 needs_amx = pytest.mark.skipif(not cpu_amx.available(), reason="no AMX on this CPU")
@@ -119,6 +128,81 @@ def test_packed_linear_takes_the_kernel_for_few_rows_only(
         assert calls == [] and layer.amx_weight is None and amx_weight_bytes(layer) == 0
     # float32 layers never get the copy.
     assert PackedLinear(weight.float(), None).amx_weight is None
+
+
+@needs_amx
+@pytest.mark.parametrize("rows", [1, 15, 16, 17, 32])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_silu_mul_is_the_linear_then_silu_mul_bit_for_bit(
+    rows: int, with_bias: bool,
+) -> None:
+    weight, bias, x = _case(rows, 192, 160, seed=11)
+    weight = weight * 0.2  # gates over SiLU's whole range, not only its tails
+    x[0, :3] = torch.tensor([float("nan"), 1e30, -1e30]).bfloat16()  # NaN and overflows
+    b = bias if with_bias else None
+    packed = cpu_amx.pack_weight(weight)
+    got = cpu_amx.linear_silu_mul(x, packed, 192, b)
+    want = cpu_ops.silu_mul(cpu_amx.linear(x, packed, 192, b))
+    assert got.shape == (rows, 96) and got.is_contiguous()
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    assert got[0].isnan().any() and not got[1:].isnan().any()
+    # And the formula itself (Hugging Face's): silu(gate) rounded, times up.
+    gate_up = F.linear(x[1:], weight, b)
+    hf = F.silu(gate_up[:, :96]) * gate_up[:, 96:]
+    torch.testing.assert_close(got[1:].float(), hf.float(), rtol=2**-7, atol=1e-30)
+
+
+def _mlp(lora_targets: tuple[bool, bool]) -> tuple[LlamaMLP, ref.LoRASegments]:
+    """A packed bf16 MLP (hidden 64, intermediate 96) with LoRA slot 0 holding an adapter
+    of gate_up (if lora_targets[0]) and of down (if [1]); rows 0 and 2 on the slot."""
+    config = ModelConfig(
+        model_type="llama", vocab_size=32, hidden_size=64, intermediate_size=96,
+        num_layers=1, num_heads=2, num_kv_heads=1, head_dim=32, rms_norm_eps=1e-5,
+        rope_theta=1e4, rope_scaling=None, qkv_bias=False, o_bias=False, mlp_bias=False,
+        tie_word_embeddings=True, max_position_embeddings=64, eos_token_ids=[0],
+        bos_token_id=None, sliding_window=None, max_model_len=64,
+    )
+    gen = torch.Generator().manual_seed(4)
+    mlp = LlamaMLP(config, torch.bfloat16).to_empty(device="cpu")
+    for p in mlp.parameters():
+        p.data.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+    pack_linears(mlp)
+    lora = {name: LoRAGroup(1, 8, fin, sizes, device=torch.device("cpu"), dtype=torch.bfloat16)
+            for name, fin, sizes in (("gate_up", 64, (96, 96)), ("down", 96, (64,)))}
+
+    def module(fin: int, fout: int) -> LoRAModule:
+        return LoRAModule((torch.randn(8, fin, generator=gen) * 0.3).bfloat16(),
+                          (torch.randn(fout, 8, generator=gen) * 0.3).bfloat16(), 2.0)
+
+    if lora_targets[0]:
+        lora["gate_up"].set_slot(0, [module(64, 96), module(64, 96)])
+    if lora_targets[1]:
+        lora["down"].set_slot(0, [module(96, 64)])
+    mlp.gate_up_lora, mlp.down_lora = lora["gate_up"], lora["down"]
+    segs = ref.LoRASegments.from_token_slots([0, -1, 0, -1])
+    assert segs is not None
+    return mlp, segs
+
+
+@needs_amx
+@pytest.mark.parametrize("gate_up_adapted", [False, True])
+def test_the_mlp_runs_the_silu_in_the_matmul_unless_an_adapter_adapts_gate_up(
+    monkeypatch: pytest.MonkeyPatch, gate_up_adapted: bool,
+) -> None:
+    mlp, segs = _mlp((gate_up_adapted, True))
+    x = (torch.randn(4, 64, generator=torch.Generator().manual_seed(5)) * 2).bfloat16()
+    # Unfused (the layer declines): its matmul, the adapters' deltas, the SiLU, then down.
+    monkeypatch.setattr(PackedLinear, "silu_mul", lambda self, x: None)
+    want = mlp(x, segs)
+    want_base = mlp(x, None)
+    monkeypatch.undo()
+    fused = _count_rows(monkeypatch, "linear_silu_mul")
+    assert torch.equal(mlp(x, segs), want)
+    assert torch.equal(mlp(x, None), want_base)
+    # Without adapters, or with one that leaves gate_up alone: fused (the down adapter
+    # still applies); with a gate_up adapter its delta comes before the SiLU: not fused.
+    assert fused == ([4] if gate_up_adapted else [4, 4])
+    assert not torch.equal(want, want_base)
 
 
 @needs_amx
