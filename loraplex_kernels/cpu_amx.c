@@ -59,8 +59,9 @@ static inline __attribute__((always_inline)) __m512 round16_bf16(__m512 v) {
 }
 
 /* exp_f32 (cpu_common.h) in 16 lanes, step for step as the compiler builds it there (its
-   multiply-adds fused), so that the fused SiLU below equals silu_mul's bit for bit. */
-static inline __attribute__((always_inline)) __m512 exp16_as_f32(__m512 x) {
+   multiply-adds fused), so that the fused SiLU below equals silu_mul's bit for bit. x is
+   clamped to [-87.3, 88.3]: a caller zeroes what must be exactly 0. */
+static inline __attribute__((always_inline)) __m512 exp16(__m512 x) {
     /* the constant first: a NaN x stays NaN, as the scalar comparisons keep it */
     x = _mm512_max_ps(_mm512_set1_ps(-87.3f), x);
     x = _mm512_min_ps(_mm512_set1_ps(88.3f), x);
@@ -99,7 +100,7 @@ static inline __attribute__((always_inline)) __m512 exp16_as_f32(__m512 x) {
             const __m512 g = round16_bf16(_mm512_add_ps(_mm512_load_ps(tmp + r * 16), bg)); \
             const __m512 u = round16_bf16(_mm512_add_ps(_mm512_load_ps(tmp2 + r * 16), bu)); \
             const __m512 den = _mm512_add_ps(                                             \
-                _mm512_set1_ps(1.0f), exp16_as_f32(_mm512_xor_ps(g, _mm512_set1_ps(-0.0f)))); \
+                _mm512_set1_ps(1.0f), exp16(_mm512_xor_ps(g, _mm512_set1_ps(-0.0f)))); \
             const __m512 h = _mm512_mul_ps(round16_bf16(_mm512_div_ps(g, den)), u);       \
             const __m512i bits = _mm512_srli_epi32(                                       \
                 _mm512_castps_si512(round16_bf16(h)), 16);                                \
@@ -218,25 +219,6 @@ int amx_linear_silu_mul_bf16(const bf16_t *x, int64_t x_stride, int64_t m, int64
 }
 
 #ifdef HAVE_AMX
-/* e^x in 16 lanes by exp_f32's method (x = n ln2 + r, Cephes' polynomial, 2^n), x clamped
-   to [-87.3, 88.3]: the caller zeroes what must be exactly 0. */
-static inline __attribute__((always_inline)) __m512 exp16(__m512 x) {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    const __m512 er = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r),
-                                    _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(er, n);
-}
-
 /* float32 x 16 -> bf16 x 16, rounded to nearest even. */
 static inline __attribute__((always_inline)) __m256i narrow16(__m512 v) {
     return (__m256i)_mm512_cvtneps_pbh(v);
