@@ -11,6 +11,9 @@ from typing import Literal
 from pydantic import AliasChoices, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+# The quota limiter's Redis timeout (app/quotas/redis_limiter.py takes its default here).
+DEFAULT_QUOTA_REDIS_TIMEOUT_S = 0.5
+
 # Keys that must never guard a production deployment.
 _WEAK_ADMIN_KEYS = frozenset({"", "changeme", "change-me", "admin", "secret", "password"})
 _MIN_ADMIN_KEY_CHARS = 16
@@ -72,7 +75,7 @@ class Settings(BaseSettings):
     quota_failure_mode: Literal["open", "closed"] = "open"
     # A Redis command (or connect, or wait for a pooled connection) that takes longer
     # counts as a Redis failure: it bounds what a hung Redis adds to a request.
-    quota_redis_timeout_s: float = Field(default=0.5, gt=0, le=30)
+    quota_redis_timeout_s: float = Field(default=DEFAULT_QUOTA_REDIS_TIMEOUT_S, gt=0, le=30)
     # A concurrency lease expires this long after its last renewal (a crashed request's
     # slot comes back by itself); running requests renew theirs every third of it.
     lease_ttl_s: float = Field(default=30.0, gt=0)

@@ -12,6 +12,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
+from app.core.config import DEFAULT_QUOTA_REDIS_TIMEOUT_S
 from app.core.principal import Quotas
 from app.quotas import lua
 from app.quotas.base import (
@@ -28,7 +29,7 @@ from app.quotas.base import (
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_TIMEOUT_S = 0.5
+DEFAULT_TIMEOUT_S = DEFAULT_QUOTA_REDIS_TIMEOUT_S
 # The pool's cap: a burst of admissions and settles opens up to this many connections,
 # which stay open for the next burst.
 DEFAULT_MAX_CONNECTIONS = 64
