@@ -15,9 +15,10 @@ Field types and their options: int, float, str and Path take one value (`X | Non
 default None); bool is `--x/--no-x`; `tuple[int, int]` is a range "N" or "MIN-MAX";
 `tuple[T, ...]` repeats the option; `list[str]` repeats it and splits each value on
 whitespace (extra `serve` flags), replacing the default when given. The flag is the field's
-name with dashes, without a trailing `_s` (seconds), unless `flag=` names it. A `parse=`
-turns what click read (a tuple for a repeated option) into the field's value; its
-ValueError, and the options' own `validate()`'s, are usage errors (exit 2).
+name with dashes, without a trailing `_s` (seconds), unless `flag=` names it. A field with
+`parse=` is a repeated option whose values (a tuple of strings) `parse` turns into the
+field's value; its ValueError, and the options' own `validate()`'s, are usage errors
+(exit 2).
 """
 
 from __future__ import annotations
@@ -45,7 +46,6 @@ class CliSpec:
     shown: str | None = None
     metavar: str | None = None
     path: dict[str, Any] | None = None  # click.Path settings of a Path field
-    repeat: bool = False  # a parsed field read from a repeated option
 
 
 def opt(default: Any, help: str | None = None, **spec: Any) -> Any:
@@ -121,15 +121,9 @@ def _option(field: dataclasses.Field[Any], kind: Any, spec: CliSpec) -> _Option:
     settings: dict[str, Any] = {"help": spec.help, "metavar": spec.metavar}
     convert: Callable[[Any], Any] = lambda value: value  # noqa: E731
     given: Callable[[Any], bool] = lambda value: True  # noqa: E731
-    if spec.parse is not None:
-        parse = spec.parse
-        if spec.repeat:
-            settings.update(multiple=True, default=None)
-            given = bool
-        else:
-            settings.update(default=None, type=_scalar_type(str, spec))
-            given = lambda value: value is not None  # noqa: E731
-        convert = parse
+    if spec.parse is not None:  # repeated, parsed as a whole
+        settings.update(multiple=True, default=None)
+        given, convert = bool, spec.parse
     elif kind is bool:
         flag = f"{flag}/--no-{flag[2:]}"
         settings.update(default=default, show_default=True)

@@ -23,14 +23,14 @@ class ServeOptions:
         None, "base model", shown="`default` when started here, else the server's first")
     adapter_models: dict[str, str] = opt(  # lora-i -> the served name
         {}, "what the server at --base-url calls adapter NAME (lora-0, lora-1, ...)",
-        flag="--adapter-model", metavar="NAME=SERVED_NAME", repeat=True,
+        flag="--adapter-model", metavar="NAME=SERVED_NAME",
         parse=lambda pairs: dict(_name_pair(pair) for pair in pairs))
     api_key: str | None = opt(None, "sent as a Bearer token")
     vocab_size: int | None = opt(
         None, "for random token prompts", shown="from the local model's config")
     rates: list[float] = opt(
         [1.0], "requests/s, repeatable or a comma list; inf: all at once", flag="--rate",
-        shown="1", repeat=True, parse=parse_rates)
+        shown="1", parse=parse_rates)
     burstiness: float = opt(1.0, "gamma shape of the gaps: 1 Poisson, < 1 burstier")
     num_requests: int | None = opt(
         None, "per rate", shown=f"{DEFAULT_NUM_REQUESTS} unless --duration")

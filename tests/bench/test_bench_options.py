@@ -38,7 +38,7 @@ class FooOptions:
     duration_s: float | None = opt(None, "seconds")
     ignore_eos: bool = True
     quick: bool = False
-    names: dict[str, str] = opt({}, flag="--name", repeat=True, parse=_pairs)
+    names: dict[str, str] = opt({}, flag="--name", parse=_pairs)
     serve_args: list[str] = opt(["--x", "1"], "extra flag", flag="--serve-arg")
     output: Path | None = None
     hidden: int = internal(7)
