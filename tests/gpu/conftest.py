@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from bench.gpu.check import PLAN_ENV, has_triton
 from bench.gpu.plans import DRY_RUN_PLAN, GPU_PLAN, Plan
 
 # NOTE: triton reads TRITON_INTERPRET when @triton.jit decorates a kernel, that is when
@@ -19,20 +20,9 @@ from bench.gpu.plans import DRY_RUN_PLAN, GPU_PLAN, Plan
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
-PLAN_ENV = "LORAPLEX_GPU_PLAN"
-
-
-def _has_triton() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 # Without triton nothing runs the kernels on the CPU (the demo's install lacks it): their
 # modules are left out there. On CUDA they stay, and fail.
-collect_ignore = ([] if _has_triton() or torch.cuda.is_available()
+collect_ignore = ([] if has_triton() or torch.cuda.is_available()
                   else ["test_lora_kernels.py", "test_kernel_accuracy.py"])
 
 
