@@ -22,7 +22,7 @@ from datetime import UTC, datetime, timedelta
 from sqlalchemy.orm import Session, sessionmaker
 
 from app.core.errors import Unauthenticated
-from app.core.principal import AdapterRef, Principal, TenantInfo
+from app.core.principal import REGISTRY_ENGINE_PREFIX, AdapterRef, Principal, TenantInfo
 from app.core.security import DISPLAY_PREFIX_CHARS, hash_key, well_formed
 from app.directory_snapshot import EMPTY, Changes, Snapshot, merge, read_changes
 from app.tables import Scope, utcnow
@@ -298,6 +298,18 @@ class Directory:
             if ref.version == version:
                 return ref
         return None
+
+    def model_name(self, engine_name: str) -> str | None:
+        """What clients send in `model` for an engine adapter: `name` for a registry line's
+        latest ready version, `name@N` for an older one, None for a version no longer
+        ready; an adapter from outside the registry (`--lora-modules`) by its own name."""
+        if not engine_name.startswith(REGISTRY_ENGINE_PREFIX):
+            return engine_name
+        ref = self._snap.ready.get(engine_name.removeprefix(REGISTRY_ENGINE_PREFIX))
+        if ref is None:
+            return None
+        line = self._snap.lines.get((ref.tenant_id, ref.name))
+        return ref.name if line and line[-1] is ref else f"{ref.name}@{ref.version}"
 
     def visible_adapters(self, tenant_id: str | None) -> list[AdapterRef]:
         """The latest ready version of each name the tenant can use, sorted by name."""

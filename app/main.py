@@ -25,6 +25,7 @@ from app.api.routes import (
     billing,
     chat,
     completions,
+    dynamic_lora,
     health,
     models,
     responses,
@@ -77,7 +78,6 @@ def create_app(
         db_engine.dispose()
         raise
     db = session_factory(db_engine)
-    metrics = Metrics(engine)
     directory = Directory(
         db,
         secret=settings.resolved_secret_key(),
@@ -85,6 +85,7 @@ def create_app(
         refresh_interval_s=settings.refresh_interval_s,
     )
     directory.load()
+    metrics = Metrics(engine, adapter_names=directory.model_name)
     state = AppState(
         engine=engine,
         settings=settings,
@@ -137,7 +138,7 @@ def create_app(
 def _include_api_routes(app: FastAPI) -> None:
     for module in (
         completions, chat, responses, models, health, adapters, admin_tenants, usage,
-        admin_engine, billing,
+        admin_engine, billing, dynamic_lora,
     ):
         app.include_router(module.router)
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -28,7 +29,7 @@ KNOWN_ROUTES = frozenset(
         "/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/usage", "/v1/adapters",
         "/health", "/ready", "/metrics", "/admin/tenants", "/admin/adapters", "/admin/usage",
         "/admin/engine", "/admin/keys", "/admin/audit", "/admin/plans", "/admin/invoices",
-        "/admin/ui",
+        "/admin/ui", "/v1/load_lora_adapter", "/v1/unload_lora_adapter",
     }
 )
 
@@ -55,11 +56,16 @@ _OVERHEAD_BUCKETS = (
 NO_TENANT = "-"
 
 
+# An engine adapter name -> the name clients send in `model` for it (None: none).
+AdapterNames = Callable[[str], str | None]
+
+
 class _EngineCollector(Collector):
     """Reads the engine's counters at scrape time instead of mirroring them."""
 
-    def __init__(self, engine: EngineClient) -> None:
+    def __init__(self, engine: EngineClient, adapter_names: AdapterNames | None) -> None:
         self._engine = engine
+        self._adapter_names = adapter_names
 
     def collect(self) -> Iterator[Metric]:
         stats = self._engine.stats()
@@ -132,6 +138,34 @@ class _EngineCollector(Collector):
         if cache is None:
             return
         yield from _adapter_cache_metrics(cache)
+        yield self._lora_info(cache.device_slots)
+
+    def _lora_info(self, max_lora: int) -> Metric:
+        """The LoRA gauge of the Gateway API Inference Extension's model-server protocol
+        (vLLM's `vllm:lora_requests_info`), for its endpoint picker's LoRA affinity: the
+        adapters in device slots (ready to join a step) and those that waiting requests
+        asked for, by the names clients send in `model`; its value, when this was read."""
+        running: set[str] = set()
+        waiting: set[str] = set()
+        for place in self._engine.adapter_residency():
+            label = place.name if self._adapter_names is None else self._adapter_names(place.name)
+            if label is None:
+                continue  # a version no longer served (still finishing requests)
+            if place.slot is not None:
+                running.add(label)
+            if place.reservations:
+                waiting.add(label)
+        gauge = GaugeMetricFamily(
+            "loraplex_lora_requests_info",
+            "LoRA adapters in device slots (running_lora_adapters) and asked for by waiting "
+            "requests (waiting_lora_adapters), comma separated, and the most the device "
+            "holds (max_lora); the value is the time they were read (unix seconds).",
+            labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+        )
+        gauge.add_metric(
+            [str(max_lora), ",".join(sorted(running)), ",".join(sorted(waiting))], time.time()
+        )
+        return gauge
 
 
 def _structured_metrics(stats: EngineStats) -> Iterator[Metric]:
@@ -273,9 +307,12 @@ class _ServiceCollector(Collector):
 
 
 class Metrics:
-    def __init__(self, engine: EngineClient) -> None:
+    """adapter_names: the engine's adapter names as clients name them (a gateway's
+    registry versions); None: the engine's own names (a worker's)."""
+
+    def __init__(self, engine: EngineClient, adapter_names: AdapterNames | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        self.registry.register(_EngineCollector(engine))
+        self.registry.register(_EngineCollector(engine, adapter_names))
         self.tenant_requests = Counter(
             "loraplex_tenant_requests",
             "API generation requests by tenant, model (base or adapter name) and status "

@@ -16,6 +16,7 @@ from sqlalchemy.orm import Session
 
 from app.api.errors import APIError
 from app.api.state import AppStateDep
+from app.audit import AuditContext
 from app.core.principal import LOCAL_PRINCIPAL, Principal
 from app.tables import Scope
 
@@ -116,3 +117,10 @@ def get_session(state: AppStateDep) -> Iterator[Session]:
 
 
 SessionDep = Annotated[Session, Depends(get_session)]
+
+
+def audit_context(request: Request, principal: Principal) -> AuditContext:
+    """Who acts in an audited change a route makes, and for which request."""
+    return AuditContext(
+        actor=principal.actor, request_id=getattr(request.state, "request_id", None)
+    )

@@ -87,6 +87,9 @@ class Settings(BaseSettings):
     tenant_kv_share: float | None = Field(default=0.5, gt=0, le=1)
     # Adapter uploads (archives) may not be larger than this.
     max_upload_bytes: int = Field(default=1024 * 1024 * 1024, ge=1024)
+    # Directories on this machine that POST /v1/load_lora_adapter may import adapters from
+    # (os.pathsep-separated); empty: loads from a path are refused.
+    adapter_import_dirs: str = ""
 
     # `loraplex gateway`: the token of the workers' internal API (LORAPLEX_WORKER_TOKEN),
     # and how many workers one engine request may try before it fails.
@@ -95,6 +98,10 @@ class Settings(BaseSettings):
     # LORAPLEX_METRICS_TOKEN: when set, GET /metrics needs `Authorization: Bearer <it>`
     # (its series name tenants and adapters); unset, it is open to any scraper.
     metrics_token: str | None = None
+
+    @property
+    def import_roots(self) -> tuple[Path, ...]:
+        return tuple(Path(p) for p in self.adapter_import_dirs.split(os.pathsep) if p.strip())
 
     @property
     def resolved_database_url(self) -> str:

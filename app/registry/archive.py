@@ -19,7 +19,7 @@ import tarfile
 import tempfile
 import zipfile
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -99,10 +99,17 @@ def unpack_adapter(
     archive: Path, dest_parent: Path, *, max_unpacked_bytes: int, max_members: int = MAX_MEMBERS
 ) -> UnpackedAdapter:
     """Check `archive` and write its two adapter files into a new directory under
-    `dest_parent`; raises ArchiveError (and leaves nothing behind) when it is refused."""
-    with open(archive, "rb") as f:
-        magic = f.read(4)
-    if magic[:4] in (b"PK\x03\x04", b"PK\x05\x06"):
+    `dest_parent`; raises ArchiveError (and leaves nothing behind) when it is refused.
+    `archive` may also be an adapter directory on this machine (an import), read with the
+    same checks as an archive's members."""
+    reader: Callable[[Path, _Writer, int], None]
+    magic = b""
+    if not archive.is_dir():
+        with open(archive, "rb") as f:
+            magic = f.read(4)
+    if archive.is_dir():
+        reader = _read_directory
+    elif magic[:4] in (b"PK\x03\x04", b"PK\x05\x06"):
         reader = _read_zip
     elif magic[:2] == b"\x1f\x8b":
         reader = _read_tar_gz
@@ -339,3 +346,79 @@ def _read_tar_gz(archive: Path, writer: _Writer, max_members: int) -> None:
         raise
     except (tarfile.TarError, gzip.BadGzipFile, zlib.error, EOFError, ValueError) as e:
         raise ArchiveError(f"The .tar.gz archive is damaged or unsupported: {e}") from e
+
+
+# ---------------------------------------------------------------------------- directory
+
+
+def directory_digest(root: Path, max_bytes: int) -> str | None:
+    """The content address (content_digest) an import of the adapter directory `root`
+    would get, without copying it; None where its two files are not plain files at its top
+    or weigh more than `max_bytes` (the import itself then says what is wrong)."""
+    digests: dict[str, str] = {}
+    for base in ADAPTER_FILES:
+        try:
+            fd = os.open(root / base, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:
+            return None
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_nlink > 1 or st.st_size > max_bytes:
+                return None
+            digest = hashlib.sha256()
+            while chunk := f.read(_CHUNK):
+                digest.update(chunk)
+        digests[base] = digest.hexdigest()
+    return content_digest(digests[CONFIG_FILE], digests[WEIGHTS_FILE])
+
+
+def _read_directory(root: Path, writer: _Writer, max_members: int) -> None:
+    """A directory's entries as an archive's members: every entry opened relative to its
+    parent's descriptor without following a link, so that nothing swapped in meanwhile
+    leads out of it; links of either kind, devices, FIFOs and sockets are refused."""
+    seen = 0
+
+    def walk(dir_fd: int, prefix: str) -> None:
+        nonlocal seen
+        for name in sorted(os.listdir(dir_fd)):
+            seen += 1
+            if seen > max_members:
+                raise ArchiveError(f"The directory has more than {max_members} entries.")
+            member = prefix + name
+            st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+            if stat.S_ISLNK(st.st_mode):
+                raise _refuse_type(member, "a symbolic link")
+            if stat.S_ISDIR(st.st_mode):
+                writer.wants(member, is_dir=True)
+                fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dir_fd)
+                try:
+                    walk(fd, member + "/")
+                finally:
+                    os.close(fd)
+                continue
+            if not stat.S_ISREG(st.st_mode):
+                raise _refuse_type(member, "a device, FIFO or socket")
+            if st.st_nlink > 1:
+                raise _refuse_type(member, "a hard link")
+            base = writer.wants(member, is_dir=False)
+            if base is None:
+                continue
+            if writer.written + st.st_size > writer.limit:
+                raise too_large(writer.limit)
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dir_fd)
+            with os.fdopen(fd, "rb") as source:
+                opened = os.fstat(fd)
+                if (opened.st_dev, opened.st_ino) != (st.st_dev, st.st_ino):
+                    raise ArchiveError(f"{member!r} changed while it was read; import it again.")
+                writer.write(base, source)
+
+    try:
+        root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError as e:
+        raise ArchiveError(f"The directory cannot be read: {e.strerror}.") from None
+    try:
+        walk(root_fd, "")
+    except OSError as e:
+        raise ArchiveError(f"The directory cannot be read: {e.strerror}.") from None
+    finally:
+        os.close(root_fd)

@@ -123,9 +123,11 @@ class AdapterRegistry:
         tenant_id: str | None,
         by: AuditContext,
         enforce_quota: bool = False,
+        param: str = "file",
     ) -> VersionView:
-        """Store, record and validate an uploaded archive as the next version of `name`
-        (tenant_id None: shared). The caller owns (and removes) `archive`. Refusals:
+        """Store, record and validate an uploaded archive (or an adapter directory on this
+        machine, an import) as the next version of `name` (tenant_id None: shared). The
+        caller owns (and removes) `archive`; `param` names it in refusals. Refusals:
         InvalidInput or TooLarge for a refused archive (no rows), NotFound for an unknown
         tenant, Forbidden `max_adapters_exceeded`, Unprocessable `invalid_adapter` (the
         version is kept as `failed` with the reason), Unavailable `overloaded` when no
@@ -136,7 +138,7 @@ class AdapterRegistry:
             await asyncio.to_thread(self._check_owner, tenant_id, name, enforce_quota)
         # NOTE: shielded, so that a caller cancelled half-way (client gone, drain) can
         # leave neither a version `validating` for ever nor an unpacked copy behind.
-        task = self._spawn(self._register(archive, name, tenant_id, by, enforce_quota))
+        task = self._spawn(self._register(archive, name, tenant_id, by, enforce_quota, param))
         return await asyncio.shield(task)
 
     async def _register(
@@ -146,6 +148,7 @@ class AdapterRegistry:
         tenant_id: str | None,
         by: AuditContext,
         enforce_quota: bool,
+        param: str,
     ) -> VersionView:
         try:
             unpacked = await asyncio.to_thread(
@@ -153,7 +156,7 @@ class AdapterRegistry:
             )
         except ArchiveError as e:
             refusal = TooLarge if e.status_code == 413 else InvalidInput
-            raise refusal(e.message, code=e.code, param="file") from None
+            raise refusal(e.message, code=e.code, param=param) from None
         path = self.store.path(unpacked.sha256)
         try:
             version = await asyncio.to_thread(
@@ -166,7 +169,7 @@ class AdapterRegistry:
                 reason = _public_reason(str(e), path)
                 await self._finish(version.id, AdapterStatus.FAILED, {"error": reason})
                 await self._collect([unpacked.sha256])
-                raise Unprocessable(reason, param="file", code="invalid_adapter") from None
+                raise Unprocessable(reason, param=param, code="invalid_adapter") from None
             except EngineUnavailable as e:
                 # NOTE: undone rather than kept `validating` for a worker to come: what a
                 # version means is settled when its upload answers.

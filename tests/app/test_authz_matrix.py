@@ -207,6 +207,12 @@ RULES: dict[str, Rule] = {
     "GET /admin/adapters/{adapter_id}": Rule(AD, 200, "/admin/adapters/{}", "adapter"),
     "DELETE /admin/adapters/{adapter_id}": Rule(AD, 200, "/admin/adapters/{}", "adapter",
                                                 fresh=True),
+    # vLLM's dynamic LoRA calls (tests/app/test_dynamic_lora.py loads for real): an admin's
+    # relative path is 400, an unknown name 404.
+    "POST /v1/load_lora_adapter": Rule(AD, 400, "/v1/load_lora_adapter",
+                                       json=lambda ctx: {"lora_name": "x", "lora_path": "x"}),
+    "POST /v1/unload_lora_adapter": Rule(AD, 404, "/v1/unload_lora_adapter",
+                                         json=lambda ctx: {"lora_name": _name(ctx)}),
     "GET /admin/usage": Rule(AD, 200, "/admin/usage?group_by=key&tenant_id={}", "tenant"),
     "GET /admin/engine": Rule(AD, 200, "/admin/engine"),
     "POST /admin/plans": Rule(AD, 201, "/admin/plans", json=_plan_body),

@@ -18,7 +18,7 @@ from typing import Annotated
 from fastapi import APIRouter, Request, Response
 from starlette.requests import ClientDisconnect
 
-from app.api.deps import AdminPrincipal, require_scope
+from app.api.deps import AdminPrincipal, audit_context, require_scope
 from app.api.errors import APIError
 from app.api.openapi import error_responses, request_body
 from app.api.schemas.adapters import (
@@ -56,11 +56,6 @@ _NO_TENANT_FIELD = (
     "tenant_id cannot be set here: uploads to /v1/adapters always go to the caller's own "
     "tenant."
 )
-
-
-def _audit_context(request: Request, principal: Principal) -> AuditContext:
-    request_id = getattr(request.state, "request_id", None)
-    return AuditContext(actor=principal.actor, request_id=request_id)
 
 
 async def _refresh(state: AppState) -> None:
@@ -121,7 +116,7 @@ async def received_upload(
 async def admin_upload(
     request: Request, response: Response, principal: AdminPrincipal, state: AppStateDep
 ) -> AdapterUploadOut:
-    uploaded = await upload_for_admin(request, state, by=_audit_context(request, principal))
+    uploaded = await upload_for_admin(request, state, by=audit_context(request, principal))
     response.headers["Location"] = f"{ADMIN_ADAPTERS}/{uploaded.id}"
     return uploaded
 
@@ -175,7 +170,7 @@ async def admin_delete(
     adapter_id: str, request: Request, principal: AdminPrincipal, state: AppStateDep
 ) -> AdapterOut:
     view = await state.registry.delete(
-        adapter_id, owner=None, by=_audit_context(request, principal)
+        adapter_id, owner=None, by=audit_context(request, principal)
     )
     await _refresh(state)
     return AdapterOut.of(view)
@@ -205,7 +200,7 @@ async def tenant_upload(
             form.file,
             name=form.fields["name"],
             tenant_id=principal.tenant_id,
-            by=_audit_context(request, principal),
+            by=audit_context(request, principal),
             enforce_quota=principal.tenant is not None,
         )
     uploaded = await _uploaded(state, version)
@@ -234,7 +229,7 @@ async def tenant_delete(
     adapter_id: str, request: Request, principal: AdapterWriter, state: AppStateDep
 ) -> AdapterOut:
     view = await state.registry.delete(
-        adapter_id, owner=_own(principal), by=_audit_context(request, principal)
+        adapter_id, owner=_own(principal), by=audit_context(request, principal)
     )
     await _refresh(state)
     return AdapterOut.of(view)

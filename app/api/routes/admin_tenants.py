@@ -10,7 +10,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request, Response
 
 from app import tenants as crud
-from app.api.deps import AdminPrincipal, SessionDep
+from app.api.deps import AdminPrincipal, SessionDep, audit_context
 from app.api.errors import invalid_request
 from app.api.openapi import error_responses
 from app.api.schemas.tenants import (
@@ -25,21 +25,14 @@ from app.api.schemas.tenants import (
     TenantUpdate,
 )
 from app.api.state import AppStateDep
-from app.audit import AuditContext, list_audit
+from app.audit import list_audit
 from app.billing.service import require_plan
-from app.core.principal import Principal
 
 router = APIRouter(prefix="/admin", tags=["admin"])
 
 MAX_AUDIT_LIMIT = 1000
 # PATCH fields that have no "unset" value: null is refused rather than guessed at.
 _NOT_NULLABLE = ("name", "tier", "isolation", "disabled", "quotas")
-
-
-def _by(request: Request, principal: Principal) -> AuditContext:
-    return AuditContext(
-        actor=principal.actor, request_id=getattr(request.state, "request_id", None)
-    )
 
 
 # ----------------------------------------------------------------------------- tenants
@@ -63,7 +56,7 @@ def create_tenant(
         isolation=body.isolation,
         quotas=body.quotas.to_quotas(),
         plan=body.plan,
-        by=_by(request, principal),
+        by=audit_context(request, principal),
     )
     session.commit()
     state.directory.refresh_after_write()
@@ -105,7 +98,7 @@ def update_tenant(
         quotas=body.quotas.set_fields() if body.quotas is not None else {},
     )
     row = crud.update_tenant(
-        session, tenant_id=tenant_id, patch=patch, by=_by(request, principal)
+        session, tenant_id=tenant_id, patch=patch, by=audit_context(request, principal)
     )
     session.commit()
     state.directory.refresh_after_write()
@@ -125,7 +118,7 @@ def delete_tenant(
     session: SessionDep,
     state: AppStateDep,
 ) -> Response:
-    crud.delete_tenant(session, tenant_id=tenant_id, by=_by(request, principal))
+    crud.delete_tenant(session, tenant_id=tenant_id, by=audit_context(request, principal))
     session.commit()
     state.directory.refresh_after_write()
     return Response(status_code=204)
@@ -155,7 +148,7 @@ def create_tenant_key(
         name=body.name,
         scopes=body.scopes if body.scopes is not None else crud.DEFAULT_SCOPES,
         expires_at=body.expires_at,
-        by=_by(request, principal),
+        by=audit_context(request, principal),
     )
     session.commit()
     state.directory.refresh_after_write()
@@ -185,7 +178,7 @@ def create_admin_key(
         secret=state.directory.secret,
         name=body.name,
         expires_at=body.expires_at,
-        by=_by(request, principal),
+        by=audit_context(request, principal),
     )
     session.commit()
     state.directory.refresh_after_write()
@@ -207,7 +200,7 @@ def revoke_key(
     session: SessionDep,
     state: AppStateDep,
 ) -> Response:
-    crud.revoke_key(session, key_id=key_id, by=_by(request, principal))
+    crud.revoke_key(session, key_id=key_id, by=audit_context(request, principal))
     session.commit()
     state.directory.refresh_after_write()
     return Response(status_code=204)
