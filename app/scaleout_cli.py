@@ -14,6 +14,7 @@ import click
 import redis.asyncio as aioredis
 
 from app.core.config import Settings, WorkerSettings, is_loopback_host
+from app.registry.store import adapter_fetcher
 from app.server_options import (
     DrainingServer,
     engine_config,
@@ -158,7 +159,8 @@ async def serve_worker(
         preloaded_adapters=tuple(n for n in loras or {} if n not in refused),
     )
     app = create_worker_app(
-        engine, token=token, data_dir=settings.data_dir, render_metrics=Metrics(engine).render
+        engine, token=token, data_dir=settings.data_dir, render_metrics=Metrics(engine).render,
+        fetch_adapter=adapter_fetcher(settings, engine),
     )
     publisher = HeartbeatPublisher(
         redis,

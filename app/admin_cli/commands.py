@@ -13,6 +13,7 @@ import click
 
 from app.admin_cli.client import AdminContext
 from app.admin_cli.push import push
+from app.admin_cli.report import format_version
 
 _QUOTAS = (
     "rpm", "tpm", "max_concurrency", "monthly_tokens", "max_tokens", "max_context_tokens",
@@ -140,7 +141,7 @@ def keys_create(
 
 @click.group()
 def adapters() -> None:
-    """Adapters: push a PEFT directory, list."""
+    """Adapters: push a PEFT directory, import one from an object store, list, gc."""
 
 
 adapters.add_command(push)
@@ -165,6 +166,46 @@ def adapters_list(ctx: AdminContext, tenant: str | None, as_json: bool) -> None:
         rows.append((a["id"], a["name"], a["tenant_id"] or "shared", a["latest_version"],
                      statuses))
     _echo_table(("ID", "NAME", "OWNER", "LATEST", "VERSIONS"), rows)
+
+
+@adapters.command("import")
+@click.argument("name")
+@click.argument("source", metavar="s3://BUCKET/PATH/")
+@click.option("--tenant", default=None, help="The owner (id or name); default: shared.")
+@click.option("--json", "as_json", is_flag=True, help="The server's JSON.")
+@click.pass_obj
+def adapters_import(
+    ctx: AdminContext, name: str, source: str, tenant: str | None, as_json: bool
+) -> None:
+    """Import NAME from an object store prefix: the server reads it with its own AWS
+    credentials and checks it as an upload."""
+    with ctx.client(timeout_s=600.0) as client:
+        owner = None if tenant is None else client.resolve_tenant(tenant)
+        body = client.json("POST", "/admin/adapters/import", json={
+            "name": name, "source": source, "tenant_id": None if owner is None else owner.id,
+        })
+    if as_json:
+        _echo_json(body)
+        return
+    label = "shared with every tenant" if owner is None else f"tenant {owner.name}, {owner.id}"
+    for line in format_version({**body, "id": body["version_id"]}, label):
+        click.echo(line)
+
+
+@adapters.command("gc")
+@click.option("--json", "as_json", is_flag=True, help="The server's JSON.")
+@click.pass_obj
+def adapters_gc(ctx: AdminContext, as_json: bool) -> None:
+    """Remove stored adapter files that no version uses, on the server and in the object
+    store (what a crash or a shutdown during a delete's grace period left)."""
+    with ctx.client(timeout_s=600.0) as client:
+        body = client.json("POST", "/admin/adapters/gc")
+    if as_json:
+        _echo_json(body)
+        return
+    click.echo(f"Removed {len(body['removed'])} unused adapter file set(s).", err=True)
+    for digest in body["removed"]:
+        click.echo(digest)
 
 
 # ------------------------------------------------------------------------------ usage

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import re
 import secrets
 from pathlib import Path
 from typing import Literal
@@ -29,7 +30,33 @@ def is_loopback_host(host: str) -> bool:
         return False
 
 
-class Settings(BaseSettings):
+class AdapterStoreSettings(BaseSettings):
+    """Where adapter files live; gateways, servers and workers read it alike."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="LORAPLEX_", populate_by_name=True, extra="ignore"
+    )
+
+    data_dir: Path = Path("./var")
+    # Where adapter files live: "" for <data_dir>/adapters (the embedded store; replicas
+    # share it by sharing the data directory), or s3://bucket/prefix for an S3-compatible
+    # object store (AWS credentials chain, AWS_ENDPOINT_URL for MinIO / R2 / GCS). With an
+    # object store, <data_dir>/adapters is each node's cache of it, kept under
+    # adapter_cache_bytes (least recently used first; adapters the engine serves stay).
+    adapter_store: str = ""
+    adapter_cache_bytes: int = Field(default=20 * 1024**3, ge=0)
+
+    @model_validator(mode="after")
+    def _check_adapter_store(self) -> AdapterStoreSettings:
+        if self.adapter_store and not re.fullmatch(r"s3://[^/\s]+(/\S*)?", self.adapter_store):
+            raise ValueError(
+                f"LORAPLEX_ADAPTER_STORE={self.adapter_store!r}: expected s3://bucket[/prefix], "
+                "or empty for the data directory"
+            )
+        return self
+
+
+class Settings(AdapterStoreSettings):
     model_config = SettingsConfigDict(
         env_prefix="LORAPLEX_", populate_by_name=True, extra="ignore"
     )
@@ -149,7 +176,7 @@ class Settings(BaseSettings):
         return path.read_text().strip()
 
 
-class WorkerSettings(BaseSettings):
+class WorkerSettings(AdapterStoreSettings):
     """`loraplex worker`: one engine behind the internal API. Read from the same
     environment as Settings; a worker has no database, keys or tenants of its own."""
 

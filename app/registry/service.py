@@ -14,8 +14,10 @@ import concurrent.futures
 import contextlib
 import logging
 import shutil
+import tempfile
 import time
-from collections.abc import Coroutine, Sequence
+from collections.abc import AsyncIterator, Coroutine, Sequence
+from contextlib import asynccontextmanager
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -36,8 +38,21 @@ from app.core.errors import (
 from app.core.principal import AdapterRef
 from app.db import session_scope
 from app.registry import records
-from app.registry.archive import ArchiveError, UnpackedAdapter, unpack_adapter
-from app.registry.store import AdapterStore
+from app.registry.archive import (
+    MAX_MEMBERS,
+    ArchiveError,
+    UnpackedAdapter,
+    too_large,
+    unpack_adapter,
+)
+from app.registry.object_store import (
+    BlobMissing,
+    ObjectStore,
+    StoreUnavailable,
+    TooBig,
+    TooMany,
+)
+from app.registry.store import make_store
 from app.registry.sync import EngineSync
 from app.registry.views import AdapterView, SyncResult, VersionView, check_adapter_name
 from app.tables import AdapterStatus
@@ -69,8 +84,8 @@ class AdapterRegistry:
         self.db = db
         self.engine = engine
         self.settings = settings
-        self.store = AdapterStore(settings.data_dir)
-        self.engine_sync = EngineSync(engine, self.store.path)
+        self.store = make_store(settings, engine)
+        self.engine_sync = EngineSync(engine, self.store.ensure)
         self._grace_s = settings.request_timeout_s if file_grace_s is None else file_grace_s
         self._tasks: set[asyncio.Task[Any]] = set()
 
@@ -82,7 +97,7 @@ class AdapterRegistry:
         await asyncio.to_thread(self.store.ensure_dirs)
         await asyncio.to_thread(self.store.remove_stale_temp, _STALE_TEMP_S)
         self.engine_sync.start(asyncio.get_running_loop())
-        self._spawn(asyncio.to_thread(self.collect_orphans))
+        self._spawn(asyncio.to_thread(self._collect_orphans_at_start))
 
     async def stop(self) -> None:
         """Syncs asked for from now on wait for the next start; deletes' pending file
@@ -141,6 +156,52 @@ class AdapterRegistry:
         task = self._spawn(self._register(archive, name, tenant_id, by, enforce_quota, param))
         return await asyncio.shield(task)
 
+    async def import_url(
+        self, url: str, *, name: str, tenant_id: str | None, by: AuditContext,
+        param: str = "source",
+    ) -> VersionView:
+        """An upload whose files come from an object store prefix (`s3://bucket/path/`)
+        instead of a request body; refusals as upload's and imported()'s."""
+        check_adapter_name(name, base_model_id=self.engine.model_id)
+        async with self.imported(url, param=param) as directory:
+            return await self.upload(directory, name=name, tenant_id=tenant_id, by=by,
+                                     param=param)
+
+    @asynccontextmanager
+    async def imported(self, url: str, *, param: str) -> AsyncIterator[Path]:
+        """The objects under `url`, read with this server's AWS credentials, in a local
+        directory for as long as the context lasts (for upload(), which checks them as
+        any upload), read under the upload's size bound. InvalidInput for a URL that is
+        not one or an empty prefix, TooLarge, Unavailable when the store cannot be
+        reached; nothing is kept."""
+        try:
+            reader = self.store.remote or ObjectStore(url)
+        except ValueError as e:
+            raise InvalidInput(str(e), param=param) from None
+        await asyncio.to_thread(self.store.ensure_dirs)
+        dest = Path(await asyncio.to_thread(tempfile.mkdtemp, prefix="import-",
+                                            dir=self.store.tmp))
+        try:
+            try:
+                await asyncio.to_thread(
+                    reader.download_prefix, url, dest, max_bytes=self.unpacked_limit(),
+                    max_members=MAX_MEMBERS,
+                )
+            except (ValueError, BlobMissing) as e:
+                raise InvalidInput(f"Cannot import {url}: {e}.", param=param) from None
+            except TooMany as e:
+                raise InvalidInput(f"Cannot import {url}: it holds {e}; an adapter is two "
+                                   "files and a few docs.", param=param) from None
+            except TooBig:
+                raise TooLarge(too_large(self.unpacked_limit()).message, param=param,
+                               code="archive_too_large") from None
+            except StoreUnavailable as e:
+                raise Unavailable(f"Cannot import {url} right now: {e}.",
+                                  retry_after_s=self.settings.retry_after_s) from None
+            yield dest
+        finally:
+            await asyncio.to_thread(shutil.rmtree, dest, True)
+
     async def _register(
         self,
         archive: Path,
@@ -165,6 +226,14 @@ class AdapterRegistry:
             try:
                 await asyncio.to_thread(self.store.put, unpacked.directory, unpacked.sha256)
                 info = await self.engine.add_adapter(version.engine_name, str(path))
+            except StoreUnavailable as e:
+                log.warning("upload of %r withdrawn: %s", name, e)
+                await self._withdraw(version, by)
+                raise Unavailable(
+                    f"The adapter store cannot take the adapter right now ({e}); retry the "
+                    "upload shortly.",
+                    retry_after_s=self.settings.retry_after_s,
+                ) from None
             except AdapterError as e:
                 reason = _public_reason(str(e), path)
                 await self._finish(version.id, AdapterStatus.FAILED, {"error": reason})
@@ -303,14 +372,32 @@ class AdapterRegistry:
                 in_use = records.digests_in_use(s, digests, changed_after=changed_after)
             return [d for d in sorted(digests - in_use) if self.store.remove(d)]
 
+    def _collect_orphans_at_start(self) -> None:
+        try:
+            self.collect_orphans()
+        except StoreUnavailable as e:
+            log.warning("orphaned adapter files not collected: %s", e)
+
     def collect_orphans(self) -> list[str]:
         """Remove stored files no version uses, left by a crash or by a shutdown within
         a delete's grace period; anything touched within the grace period stays."""
         cutoff = time.time() - self._grace_s
+        since = datetime.now(UTC) - timedelta(seconds=self._grace_s)
         old = {d for d in self.store.digests() if self.store.modified_at(d) < cutoff}
-        if not old:
-            return []
-        return self._remove_unused(old, datetime.now(UTC) - timedelta(seconds=self._grace_s))
+        removed = self._remove_unused(old, since) if old else []
+        remote = self.store.remote
+        if remote is None:
+            return removed
+        # NOTE: the object store's own, by the time each was last uploaded: an upload of
+        # the same content on another node writes it again, so what it just stored is
+        # within the grace period here.
+        old = {d for d, at in remote.digests().items() if at.timestamp() < cutoff}
+        with session_scope(self.db) as s:
+            in_use = records.digests_in_use(s, old, changed_after=since)
+        for digest in sorted(old - in_use):
+            remote.delete(digest)
+            removed.append(digest)
+        return sorted(set(removed))
 
     # -- reading -------------------------------------------------------------------------
 

@@ -25,7 +25,8 @@ _Future = concurrent.futures.Future
 
 class EngineSync:
     def __init__(self, engine: EngineClient, files: Callable[[str], Path]) -> None:
-        """files: sha256 -> the stored adapter directory."""
+        """files: sha256 -> the stored adapter directory (blocking: it may fetch it from
+        the object store)."""
         self.engine = engine
         self._files = files
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -95,7 +96,8 @@ class EngineSync:
                     self._failed.pop(name, None)
                     continue
                 try:
-                    await self.engine.add_adapter(name, str(self._files(ref.sha256)))
+                    files = await asyncio.to_thread(self._files, ref.sha256)
+                    await self.engine.add_adapter(name, str(files))
                 except Exception as e:
                     # NOTE: one version this replica cannot load must not stop the others.
                     log.warning("adapter %s@%d (%s) not loaded on this replica: %s",

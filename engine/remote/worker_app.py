@@ -24,7 +24,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from engine.client import EngineClient
-from engine.errors import AdapterError
+from engine.errors import AdapterError, EngineUnavailable
 from engine.remote.protocol import (
     ABORT_PATH,
     ADAPTERS_PATH,
@@ -73,6 +73,11 @@ class WorkerState:
     data_dir: Path  # resolved
     render_metrics: Callable[[], bytes] | None = None
     keepalive_s: float = DEFAULT_KEEPALIVE_S
+    # An adapter directory of the store that is not on this machine: fetch it (the last
+    # path component, its content address) and return where it landed; AdapterError when
+    # it cannot be served, EngineUnavailable when the store cannot be reached. None: the
+    # data directory is the store.
+    fetch_adapter: Callable[[str], Path] | None = None
     # Set on SIGTERM: new generations get 503 (gateways retry them elsewhere).
     draining: bool = False
 
@@ -131,6 +136,7 @@ def create_worker_app(
     data_dir: Path,
     render_metrics: Callable[[], bytes] | None = None,
     keepalive_s: float = DEFAULT_KEEPALIVE_S,
+    fetch_adapter: Callable[[str], Path] | None = None,
 ) -> FastAPI:
     """The internal API of a started engine; the caller shuts the engine down."""
     state = WorkerState(
@@ -139,6 +145,7 @@ def create_worker_app(
         data_dir=data_dir.resolve(),
         render_metrics=render_metrics,
         keepalive_s=keepalive_s,
+        fetch_adapter=fetch_adapter,
     )
     app = FastAPI(title="loraplex worker", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.worker = state
@@ -241,7 +248,11 @@ def _internal() -> APIRouter:
         if existing is not None and existing.path is not None and Path(existing.path) == path:
             return Response(encode_adapter_info(existing), media_type="application/json")
         try:
+            if state.fetch_adapter is not None and not path.is_dir():
+                path = await asyncio.to_thread(state.fetch_adapter, path.name)
             info = await state.engine.add_adapter(body.name, str(path))
+        except EngineUnavailable as exc:
+            raise _unavailable(f"the adapter store: {exc}") from None
         except AdapterError as exc:
             error = WireError(kind="invalid", code="invalid_adapter", param="path",
                               message=str(exc))

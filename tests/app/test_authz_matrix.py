@@ -204,6 +204,11 @@ RULES: dict[str, Rule] = {
     "GET /admin/audit": Rule(AD, 200, "/admin/audit"),
     "POST /admin/adapters": Rule(AD, 201, "/admin/adapters", "owner", upload=_upload_as_admin),
     "GET /admin/adapters": Rule(AD, 200, "/admin/adapters"),
+    # (tests/app/test_adapter_object_store.py imports for real: here, a source that is not
+    # an s3:// URL.)
+    "POST /admin/adapters/import": Rule(AD, 400, "/admin/adapters/import", json=lambda ctx: {
+        "name": _name(ctx), "source": "not-an-s3-url"}),
+    "POST /admin/adapters/gc": Rule(AD, 200, "/admin/adapters/gc"),
     "GET /admin/adapters/{adapter_id}": Rule(AD, 200, "/admin/adapters/{}", "adapter"),
     "DELETE /admin/adapters/{adapter_id}": Rule(AD, 200, "/admin/adapters/{}", "adapter",
                                                 fresh=True),

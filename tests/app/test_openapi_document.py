@@ -20,7 +20,7 @@ MODEL = "fake-model"
 REF = "#/components/schemas/"
 GENERATION = ("/v1/completions", "/v1/chat/completions")
 UPLOADS = (("/admin/adapters", "post"), ("/v1/adapters", "post"))
-IMPORTS = (("/v1/load_lora_adapter", "post"),)
+IMPORTS = (("/v1/load_lora_adapter", "post"), ("/admin/adapters/import", "post"))
 UNKEYED = ("/health", "/ready", "/metrics")
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 

@@ -22,15 +22,19 @@ from app.api.deps import AdminPrincipal, audit_context, require_scope
 from app.api.errors import APIError
 from app.api.openapi import error_responses, request_body
 from app.api.schemas.adapters import (
+    AdapterImport,
     AdapterList,
     AdapterOut,
     AdapterUpload,
     AdapterUploadOut,
     AdminAdapterUpload,
+    OrphanCollection,
 )
 from app.api.state import AppState, AppStateDep
 from app.audit import AuditContext
+from app.core.errors import Unavailable
 from app.core.principal import Principal
+from app.registry.object_store import StoreUnavailable
 from app.registry.service import AdapterRegistry
 from app.registry.upload_form import (
     FORM_OVERHEAD_BYTES,
@@ -142,6 +146,40 @@ async def _uploaded(state: AppState, version: VersionView) -> AdapterUploadOut:
     await _refresh(state)
     adapter = await asyncio.to_thread(state.registry.get_adapter, version.adapter_id)
     return AdapterUploadOut.of_upload(adapter, version)
+
+
+@router.post(
+    ADMIN_ADAPTERS + "/import",
+    status_code=201,
+    response_model=AdapterUploadOut,
+    responses=error_responses(400, 404, 409, 413, 422, 503),
+)
+async def admin_import(
+    body: AdapterImport, request: Request, response: Response, principal: AdminPrincipal,
+    state: AppStateDep,
+) -> AdapterUploadOut:
+    """An adapter from an object store prefix (`s3://bucket/path/`, read with the server's
+    AWS credentials), checked as an upload; 201 with the same body."""
+    version = await state.registry.import_url(
+        body.source, name=body.name, tenant_id=body.tenant_id,
+        by=audit_context(request, principal),
+    )
+    uploaded = await _uploaded(state, version)
+    response.headers["Location"] = f"{ADMIN_ADAPTERS}/{uploaded.id}"
+    return uploaded
+
+
+@router.post(ADMIN_ADAPTERS + "/gc", response_model=OrphanCollection,
+             responses=error_responses(503))
+async def admin_gc(principal: AdminPrincipal, state: AppStateDep) -> OrphanCollection:
+    """Remove stored adapter files (here and in the object store) that no version uses
+    and nothing touched within the delete grace period."""
+    try:
+        removed = await asyncio.to_thread(state.registry.collect_orphans)
+    except StoreUnavailable as e:
+        raise Unavailable(f"The adapter store cannot be reached: {e}.",
+                          retry_after_s=state.settings.retry_after_s) from None
+    return OrphanCollection(removed=removed)
 
 
 @router.get(ADMIN_ADAPTERS, response_model=AdapterList)

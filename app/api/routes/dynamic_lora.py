@@ -2,10 +2,10 @@
 Inference Extension's adapter syncer and for scripts written against vLLM; admin keys only.
 
 `POST /v1/load_lora_adapter` `{"lora_name", "lora_path", "load_inplace"}` imports the adapter
-directory at `lora_path` on this machine into the registry as a shared adapter named
-`lora_name`, with every check an upload gets, so that each replica on the same database
-serves it. The path must lie under one of `LORAPLEX_ADAPTER_IMPORT_DIRS` (unset: loads from a
-path are refused). A name that exists answers 200 again when its latest version holds the
+at `lora_path` into the registry as a shared adapter named `lora_name`, with every check an
+upload gets, so that each replica on the same database serves it. `lora_path` is an s3://
+prefix (read with this server's AWS credentials) or a directory on this machine under one
+of `LORAPLEX_ADAPTER_IMPORT_DIRS` (unset: loads from a local path are refused). A name that exists answers 200 again when its latest version holds the
 same content (each pod's syncer may ask), and 400 for other content unless `load_inplace`
 (then it becomes the name's next version).
 
@@ -28,6 +28,7 @@ from app.api.deps import AdminPrincipal, audit_context
 from app.api.openapi import error_responses
 from app.api.state import AppState, AppStateDep
 from app.core.errors import Forbidden, InvalidInput, NotFound
+from app.core.principal import Principal
 from app.registry.archive import directory_digest
 from app.registry.views import SHARED_OWNER, AdapterView, check_adapter_name
 from app.tables import AdapterStatus
@@ -64,7 +65,15 @@ async def load_lora_adapter(
         check_adapter_name(body.lora_name, base_model_id=state.engine.model_id)
     except InvalidInput as e:
         raise InvalidInput(e.message, param="lora_name", code=e.code) from None
-    source = import_source(body.lora_path, state.settings.import_roots)
+    if body.lora_path.startswith("s3://"):
+        async with state.registry.imported(body.lora_path, param="lora_path") as source:
+            return await _load(body, source, request, principal, state)
+    return await _load(body, import_source(body.lora_path, state.settings.import_roots),
+                       request, principal, state)
+
+
+async def _load(body: LoadLoRAAdapterRequest, source: Path, request: Request,
+                principal: Principal, state: AppState) -> PlainTextResponse:
     registry = state.registry
     existing = await asyncio.to_thread(_shared_adapter, state, body.lora_name)
     if existing is not None:

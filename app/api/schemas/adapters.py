@@ -7,7 +7,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any, Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict, Field
 
 from app.registry.views import AdapterView, VersionView
 from app.tables import AdapterStatus
@@ -117,3 +117,19 @@ class AdminAdapterUpload(AdapterUpload):
     """The admin upload form (POST /admin/adapters)."""
 
     tenant_id: str = ""  # omitted or empty: shared with every tenant
+
+
+class AdapterImport(BaseModel):
+    """POST /admin/adapters/import: an adapter from an object store prefix."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1, max_length=64)
+    source: str = Field(min_length=1, max_length=2048)  # s3://bucket/path/
+    tenant_id: str | None = None  # None: shared with every tenant
+
+
+class OrphanCollection(BaseModel):
+    """POST /admin/adapters/gc: stored adapter files no version uses, removed."""
+
+    removed: list[str]  # their content addresses (sha256)
