@@ -71,6 +71,13 @@ class EngineUnavailable(EngineError, RuntimeError):
     code = "engine_unavailable"
 
 
+class AdapterUnavailable(EngineUnavailable):
+    """The adapter's files cannot be fetched from the adapter store now (it is
+    unreachable); other requests go on, and this one may be retried shortly."""
+
+    code = "adapter_unavailable"
+
+
 class NoWorkerAvailable(EngineUnavailable):
     """No worker in rotation can take the request (none alive, or none dedicated to its
     tenant): the caller answers 503 with Retry-After."""

@@ -12,7 +12,13 @@ from app.api.errors import (
     overloaded,
     server_error,
 )
-from engine.errors import EngineStepError, NoWorkerAvailable, RequestRejected, WorkerLost
+from engine.errors import (
+    AdapterUnavailable,
+    EngineStepError,
+    NoWorkerAvailable,
+    RequestRejected,
+    WorkerLost,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +68,12 @@ def api_error_of(
         return exc
     if isinstance(exc, RequestRejected):
         return rejected(exc, model=model)
+    if isinstance(exc, AdapterUnavailable):
+        logger.warning("engine request %s: %s", request_id, exc)
+        return overloaded(
+            f"The adapter '{model}' cannot be fetched from the adapter store right now; "
+            "retry shortly.", retry_after_s=retry_after_s, code=AdapterUnavailable.code,
+        )
     if isinstance(exc, NoWorkerAvailable):
         return no_worker(retry_after_s)
     if isinstance(exc, WorkerLost):

@@ -82,12 +82,12 @@ def model_not_found(model: str) -> APIError:
     )
 
 
-def overloaded(message: str, *, retry_after_s: int) -> APIError:
+def overloaded(message: str, *, retry_after_s: int, code: str = "overloaded") -> APIError:
     return APIError(
         503,
         message,
         type=SERVER_ERROR,
-        code="overloaded",
+        code=code,
         headers={"Retry-After": str(retry_after_s)},
     )
 

@@ -36,6 +36,7 @@ class EngineSync:
         self._inflight: set[_Future[SyncResult]] = set()
         self._sync_lock = asyncio.Lock()
         self._failed: dict[str, AdapterRef] = {}  # engine name -> version to retry
+        self._reasons: dict[str, str] = {}  # engine name -> why it failed last
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         """From now on syncs run on `loop`; those asked for before run now."""
@@ -55,6 +56,15 @@ class EngineSync:
     def failed(self) -> dict[str, AdapterRef]:
         """Versions that could not be loaded here (tried again on every call)."""
         return dict(self._failed)
+
+    def retry(self, engine_name: str) -> str | None:
+        """Why a version could not be loaded here, None if it did not fail; a failed one
+        is tried again now (in the background), so that a request for it, refused with
+        that reason, may be retried."""
+        reason = self._reasons.get(engine_name) if engine_name in self._failed else None
+        if reason is not None:
+            self.on_versions_changed((), ())
+        return reason
 
     def on_versions_changed(
         self, added: Sequence[AdapterRef], removed: Sequence[AdapterRef]
@@ -87,6 +97,7 @@ class EngineSync:
             gone = {ref.engine_name for ref in removed}
             for ref in removed:
                 self._failed.pop(ref.engine_name, None)
+                self._reasons.pop(ref.engine_name, None)
                 if self.engine.get_adapter(ref.engine_name) is not None:
                     await self.engine.remove_adapter(ref.engine_name)
                     done_removed.append(ref.engine_name)
@@ -103,9 +114,10 @@ class EngineSync:
                     log.warning("adapter %s@%d (%s) not loaded on this replica: %s",
                                 ref.name, ref.version, name, e)
                     self._failed[name] = ref
-                    failed[name] = str(e)
+                    self._reasons[name] = failed[name] = str(e)
                     continue
                 self._failed.pop(name, None)
+                self._reasons.pop(name, None)
                 done_added.append(name)
         return SyncResult(added=tuple(done_added), removed=tuple(done_removed), failed=failed)
 

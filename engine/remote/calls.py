@@ -28,9 +28,10 @@ log = logging.getLogger("loraplex.gateway")
 class WorkerFailed(Exception):
     """This worker cannot run the request now; another one may."""
 
-    def __init__(self, message: str, *, suspend: bool) -> None:
+    def __init__(self, message: str, *, suspend: bool, code: str | None = None) -> None:
         super().__init__(message)
         self.suspend = suspend  # take the worker out of rotation
+        self.code = code  # the worker's error code, where it gave one
 
 
 class AdapterMissing(Exception):
@@ -116,7 +117,8 @@ def call_failure(worker: KnownWorker, response: httpx.Response) -> Exception:
         log.error("worker %s refused this gateway's token (LORAPLEX_WORKER_TOKEN differs)",
                   worker.worker_id)
     suspend = response.status_code != 503  # 503: draining or starting; its beat says so
-    return WorkerFailed(f"HTTP {response.status_code}: {error.message}", suspend=suspend)
+    return WorkerFailed(f"HTTP {response.status_code}: {error.message}", suspend=suspend,
+                        code=error.code)
 
 
 def _stream_failure(error: WireError) -> Exception:

@@ -34,7 +34,7 @@ from engine.client import (
     RouteHint,
     WorkerStatus,
 )
-from engine.errors import NoWorkerAvailable, RequestRejected, WorkerLost
+from engine.errors import AdapterUnavailable, NoWorkerAvailable, RequestRejected, WorkerLost
 from engine.remote.adapters import RemoteAdapters
 from engine.remote.calls import AdapterMissing, WorkerFailed, post, stream_generate
 from engine.remote.heartbeat import read_heartbeats
@@ -349,6 +349,7 @@ class RemoteEngine:
         tried: set[str] = set()
         preferred = None if route is None else route.worker_id
         reasons: list[str] = []
+        fetch_failures: list[str] = []  # workers that could not fetch the adapter's files
         reregister = False
         for _ in range(self.max_attempts):
             worker = self._pick(query, tried, preferred)
@@ -386,12 +387,19 @@ class RemoteEngine:
                     ) from exc
                 tried.add(worker.worker_id)
                 reasons.append(f"{worker.worker_id}: {exc}")
+                if exc.code == AdapterUnavailable.code:
+                    fetch_failures.append(str(exc))
             finally:
                 self.pool.inflight[worker.worker_id] -= 1
                 if self.pool.inflight[worker.worker_id] <= 0:
                     del self.pool.inflight[worker.worker_id]
                 self._running.pop(request_id, None)
         detail = "; ".join(reasons) if reasons else _no_worker_reason(query)
+        if fetch_failures and len(fetch_failures) == len(reasons):
+            raise AdapterUnavailable(
+                f"the adapter '{adapter}' cannot be fetched from the adapter store right now "
+                f"({detail})"
+            )
         raise NoWorkerAvailable(f"no worker could take the request ({detail})")
 
     def abort(self, request_id: str) -> None:

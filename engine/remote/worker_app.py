@@ -24,7 +24,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from engine.client import EngineClient
-from engine.errors import AdapterError, EngineUnavailable
+from engine.errors import AdapterError, AdapterUnavailable, EngineUnavailable
 from engine.remote.protocol import (
     ABORT_PATH,
     ADAPTERS_PATH,
@@ -252,7 +252,10 @@ def _internal() -> APIRouter:
                 path = await asyncio.to_thread(state.fetch_adapter, path.name)
             info = await state.engine.add_adapter(body.name, str(path))
         except EngineUnavailable as exc:
-            raise _unavailable(f"the adapter store: {exc}") from None
+            raise WorkerError(503, WireError(
+                kind="unavailable", code=AdapterUnavailable.code, param="path",
+                message=f"the adapter's files cannot be fetched from the adapter store: {exc}",
+            )) from None
         except AdapterError as exc:
             error = WireError(kind="invalid", code="invalid_adapter", param="path",
                               message=str(exc))

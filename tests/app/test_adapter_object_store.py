@@ -254,6 +254,44 @@ async def test_a_corrupted_blob_is_never_served(
         assert ref.sha256 == digest
         assert _served(b) == {}
         assert AdapterStore(tmp_path / "b").digests() == []
+        # A request for it fails alone, saying why; the base model serves on.
+        r = await _chat(b, "support-bot")
+        assert r.status_code == 503, r.text
+        error = r.json()["error"]
+        assert error["code"] == "adapter_unavailable"
+        assert "do not hash to their address" in error["message"]
+        assert (await _chat(b, b.engine.model_id)).status_code == 200
+
+
+async def _chat(r: Replica, model: str) -> httpx.Response:
+    return await r.client.post("/v1/chat/completions", headers=ADMIN, json={
+        "model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+
+
+async def test_with_the_store_down_cached_adapters_serve_and_others_fail_alone(
+    database_url: str, store_url: str, proxy: TcpProxy, tmp_path: Path
+) -> None:
+    write_adapter(tmp_path / "adapter", seed=6)
+    async with replica(database_url, tmp_path / "a", store_url) as a:
+        r = await _upload(a, tmp_path / "adapter", "support-bot")
+        assert r.status_code == 201, r.text
+        proxy.cut()
+        # A has the files from the upload: it serves on.
+        assert (await _chat(a, "support-bot")).status_code == 200
+        async with replica(database_url, tmp_path / "b", store_url) as b:
+            registry = b.app.state.loraplex.registry
+            await _until(lambda: registry.engine_sync.failed)
+            r = await _chat(b, "support-bot")
+            assert r.status_code == 503, r.text
+            assert r.json()["error"]["code"] == "adapter_unavailable"
+            assert "unreachable" in r.json()["error"]["message"]
+            assert (await b.client.get("/ready")).status_code == 200
+            assert (await _chat(b, b.engine.model_id)).status_code == 200
+            # The store is back: the refused request set off another try.
+            proxy.restore()
+            assert (await _chat(b, "support-bot")).status_code == 503
+            await _until(lambda: not registry.engine_sync.failed)
+            assert (await _chat(b, "support-bot")).status_code == 200
 
 
 # ------------------------------------------------------------------------- imports

@@ -112,6 +112,14 @@ def resolve_target(state: AppState, principal: Principal, model: str) -> ModelTa
         return ModelTarget(engine_adapter=None, ref=None, label=model)
     ref = state.directory.resolve_adapter(principal.adapter_owner_id, model)
     if ref is not None:
+        if engine.get_adapter(ref.engine_name) is None and (
+            reason := state.registry.engine_sync.retry(ref.engine_name)
+        ):
+            raise overloaded(
+                f"The adapter '{model}' cannot be loaded on this replica right now ({reason}); "
+                "retry shortly.", retry_after_s=state.settings.retry_after_s,
+                code="adapter_unavailable",
+            )
         return ModelTarget(engine_adapter=ref.engine_name, ref=ref, label=ref.name)
     if not model.startswith(REGISTRY_ENGINE_PREFIX) and engine.get_adapter(model) is not None:
         return ModelTarget(engine_adapter=model, ref=None, label=model)

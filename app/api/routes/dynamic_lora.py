@@ -5,9 +5,10 @@ Inference Extension's adapter syncer and for scripts written against vLLM; admin
 at `lora_path` into the registry as a shared adapter named `lora_name`, with every check an
 upload gets, so that each replica on the same database serves it. `lora_path` is an s3://
 prefix (read with this server's AWS credentials) or a directory on this machine under one
-of `LORAPLEX_ADAPTER_IMPORT_DIRS` (unset: loads from a local path are refused). A name that exists answers 200 again when its latest version holds the
-same content (each pod's syncer may ask), and 400 for other content unless `load_inplace`
-(then it becomes the name's next version).
+of `LORAPLEX_ADAPTER_IMPORT_DIRS` (unset: loads from a local path are refused). A name that
+exists answers 200 again when its latest version holds the same content (each pod's syncer
+may ask), and 400 for other content unless `load_inplace` (then it becomes the name's next
+version).
 
 `POST /v1/unload_lora_adapter` `{"lora_name"}` deletes the shared adapter of that name.
 
