@@ -172,3 +172,31 @@ def test_picker_metrics_follow_the_engine_during_a_mixed_adapter_burst(
     # Read while requests waited, some of them for adapters not in a slot.
     assert any(c[0] > 0 and c[4] and c[3] for c in checked), checked
     assert any(IMPORTED in c[3] + c[4] for c in checked), checked
+
+
+def test_an_adapter_loaded_from_an_object_store_serves_like_peft(
+    served: Served, smollm2_dir: Path, tmp_path: Path
+) -> None:
+    from transformers import AutoTokenizer
+
+    from tests.utils.s3_server import aws_environment, moto_server, s3_client
+
+    name = "from-the-bucket"
+    adapter = make_peft_adapter(smollm2_dir, tmp_path / name, r=8, alpha=16, seed=9,
+                                targets=("q_proj", "k_proj", "v_proj", "o_proj"))
+    with moto_server(tmp_path) as endpoint, aws_environment(endpoint):
+        s3 = s3_client(endpoint)
+        s3.create_bucket(Bucket="training")
+        for path in adapter.iterdir():
+            s3.upload_file(str(path), "training", f"runs/7/{path.name}")
+        r = httpx.post(f"{served.base_url}/v1/load_lora_adapter", timeout=60, json={
+            "lora_name": name, "lora_path": "s3://training/runs/7/"})
+        assert r.status_code == 200, r.text
+    messages = [{"role": "user", "content": "List three fruits."}]
+    r = httpx.post(f"{served.base_url}/v1/chat/completions", timeout=60, json={
+        "model": name, "messages": messages, "max_tokens": 8, "temperature": 0})
+    assert r.status_code == 200, r.text
+    ids = served.engine.apply_chat_template(messages)
+    want = peft_greedy(smollm2_dir, {name: adapter}, name, ids, 8)
+    assert r.json()["choices"][0]["message"]["content"] == AutoTokenizer.from_pretrained(
+        smollm2_dir).decode(want, skip_special_tokens=True)
