@@ -8,8 +8,8 @@ from typing import Any
 
 import click
 
-from bench.fairness import FairnessOptions
-from bench.gateway.run import GatewayOptions
+from bench.fairness import FairnessOptions, run_fairness
+from bench.gateway.run import GatewayOptions, run_gateway
 from bench.grammar.run import GrammarOptions
 from bench.harness.options import options_command
 from bench.kernels import KernelsOptions
@@ -17,7 +17,7 @@ from bench.long_prompts import LongPromptOptions
 from bench.lora import LoRABenchOptions
 from bench.roofline import RooflineOptions
 from bench.serve.options import ServeOptions
-from bench.soak.run import SoakOptions
+from bench.soak.run import SoakOptions, run_soak
 from bench.structured.run import StructuredOptions
 from bench.throughput import ThroughputOptions
 
@@ -59,8 +59,6 @@ def kernels(options: KernelsOptions) -> None:
 def gateway(options: GatewayOptions) -> None:
     """Gateway overhead: chat requests (keys, Redis quotas, metering) against an engine
     that answers instantly, vs GET /health, open loop at --rate; then a closed loop."""
-    from bench.gateway.run import run_gateway
-
     run_gateway(options)
 
 
@@ -126,8 +124,6 @@ def serve(options: ServeOptions) -> None:
 def fairness(options: FairnessOptions) -> None:
     """Noisy neighbour through the HTTP API: one tenant floods, another probes; TTFT of
     each, with VTC fairness and with fcfs."""
-    from bench.fairness import run_fairness
-
     run_fairness(options)
 
 
@@ -137,8 +133,6 @@ def soak(options: SoakOptions) -> None:
     """Open-loop mixed traffic (plain, streams, cut streams, bad requests, adapter uploads)
     at a fraction of measured capacity; fails on leaked memory, descriptors, threads, KV
     blocks, pinned adapters, DB connections, Redis keys, or usage rows != responses."""
-    from bench.soak.run import run_soak
-
     if not run_soak(options).ok:
         raise SystemExit(1)
 

@@ -18,20 +18,18 @@ work on every run.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import secrets
 import tempfile
 import time
-from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
+from bench.harness import loops
 from bench.harness.options import opt
-from bench.harness.report import machine_description, print_row, save_report
-from bench.harness.server import checkout_model_args, clean_env, engine_counters, loraplex_serve
-from bench.harness.tenants import create_tenant
+from bench.harness.report import machine_description, options_json, print_row, save_report
+from bench.harness.server import engine_counters, model_name, serve_with_keys
+from bench.harness.tenants import TenantKey, create_tenant
 from bench.harness.workload import (
     BenchRequest,
     RequestTiming,
@@ -49,8 +47,6 @@ SCENARIOS: dict[str, tuple[str, str]] = {
     "tiers": ("batch", "premium"),
 }
 MODES = ("vtc", "fcfs")
-# Settings the server must not inherit from the shell: the benchmark brings its own SQLite
-# database (in a temporary data directory) and per-process quotas.
 
 
 @dataclass(slots=True)
@@ -110,27 +106,20 @@ def run_fairness(opts: FairnessOptions) -> dict[str, object]:
     if unknown:
         raise ValueError(f"unknown scenarios or modes: {sorted(unknown)}")
     vocab = load_model_config(resolve_model_dir(opts.model, default_data_dir())).vocab_size
-    flood = make_requests(
-        opts.flood_requests, vocab_size=vocab, prompt_len=opts.flood_prompt_len,
-        output_len=opts.flood_output_len, seed=opts.seed,
-    )
+    flood = make_requests(opts.flood_requests, vocab_size=vocab, prompt_len=opts.flood_prompt_len,
+                          output_len=opts.flood_output_len, seed=opts.seed)
     if opts.shared_prefix_len:
         [prefix] = make_requests(
             1, vocab_size=vocab, prompt_len=(opts.shared_prefix_len, opts.shared_prefix_len),
-            output_len=(1, 1), seed=opts.seed + 2,
-        )
+            output_len=(1, 1), seed=opts.seed + 2)
         for request in flood:
             request.prompt_token_ids = prefix.prompt_token_ids + request.prompt_token_ids
-    probe = make_requests(
-        opts.probe_requests, vocab_size=vocab, prompt_len=opts.probe_prompt_len,
-        output_len=opts.probe_output_len, seed=opts.seed + 1,
-    )
-    options = asdict(opts)
-    options["output"] = None if opts.output is None else str(opts.output)
+    probe = make_requests(opts.probe_requests, vocab_size=vocab, prompt_len=opts.probe_prompt_len,
+                          output_len=opts.probe_output_len, seed=opts.seed + 1)
     report: dict[str, object] = {
         "benchmark": "fairness",
         "machine": machine_description(),
-        "options": options,
+        "options": options_json(opts),
         "workload": {
             "flood_prompt_tokens": sum(len(r.prompt_token_ids) for r in flood),
             "probe_prompt_tokens": sum(len(r.prompt_token_ids) for r in probe),
@@ -140,16 +129,15 @@ def run_fairness(opts: FairnessOptions) -> dict[str, object]:
     results: list[dict[str, object]] = []
     for mode in opts.modes:
         serve_args = ["--model", opts.model, "--fairness", mode, *opts.serve_args]
-        with authenticated_server(serve_args) as (base_url, admin_key):
+        # A fresh SQLite database in a temporary data directory, per-process quotas.
+        with tempfile.TemporaryDirectory(prefix="loraplex-fairness-") as data_dir, \
+                serve_with_keys(serve_args, Path(data_dir)) as (server, admin_key):
             for scenario in opts.scenarios:
-                flood_tier, probe_tier = SCENARIOS[scenario]
-                flood_key = tenant_key(base_url, admin_key, f"{scenario}-flood", flood_tier)
-                probe_key = tenant_key(base_url, admin_key, f"{scenario}-probe", probe_tier)
-                result = asyncio.run(
-                    run_scenario(
-                        base_url, scenario, mode, flood_key, probe_key, flood, probe, opts
-                    )
-                )
+                flood_key, probe_key = (
+                    create_tenant(server.base_url, admin_key, f"{scenario}-{role}", tier=tier)
+                    for role, tier in zip(("flood", "probe"), SCENARIOS[scenario], strict=True))
+                result = asyncio.run(run_scenario(server.base_url, scenario, mode, flood_key,
+                                                  probe_key, flood, probe, opts))
                 results.append(result.summary())
                 print_row(f"{scenario} {mode}", results[-1])
     report["results"] = results
@@ -158,37 +146,31 @@ def run_fairness(opts: FairnessOptions) -> dict[str, object]:
 
 
 async def run_scenario(
-    base_url: str,
-    scenario: str,
-    mode: str,
-    flood_key: str,
-    probe_key: str,
-    flood: list[BenchRequest],
-    probe: list[BenchRequest],
-    opts: FairnessOptions,
+    base_url: str, scenario: str, mode: str, flood_key: TenantKey, probe_key: TenantKey,
+    flood: list[BenchRequest], probe: list[BenchRequest], opts: FairnessOptions,
 ) -> ScenarioResult:
     """The flood all at once, then the probes at their times; every request streams."""
     limits = httpx.Limits(max_connections=len(flood) + len(probe) + 4)
 
-    def client(key: str) -> httpx.AsyncClient:
-        return httpx.AsyncClient(
-            base_url=base_url, timeout=3600, limits=limits, headers=_bearer(key)
-        )
+    def client(key: TenantKey) -> httpx.AsyncClient:
+        return httpx.AsyncClient(base_url=base_url, timeout=3600, limits=limits,
+                                 headers=key.headers)
 
     async with client(flood_key) as flood_client, client(probe_key) as probe_client:
-        model = await _model_name(flood_client)
+        model = model_name(base_url, flood_key.headers)
         warm = BenchRequest(prompt_token_ids=flood[0].prompt_token_ids[:16], max_tokens=2)
         await _one_stream(flood_client, model, warm)
         before = engine_counters(base_url)
         start = time.perf_counter()
-        flood_tasks = [asyncio.create_task(_one_stream(flood_client, model, r)) for r in flood]
-        probe_tasks: list[asyncio.Task[RequestTiming]] = []
-        for index, request in enumerate(probe):
-            due = start + opts.probe_start_s + index * opts.probe_interval_s
-            await asyncio.sleep(max(0.0, due - time.perf_counter()))
-            probe_tasks.append(asyncio.create_task(_one_stream(probe_client, model, request)))
-        flood_timings = await asyncio.gather(*flood_tasks)
-        probe_timings = await asyncio.gather(*probe_tasks)
+        flooding = asyncio.gather(*(_one_stream(flood_client, model, r) for r in flood))
+        probe_timings: dict[int, RequestTiming] = {}
+
+        async def send_probe(index: int, due: float) -> None:
+            probe_timings[index] = await _one_stream(probe_client, model, probe[index])
+
+        await loops.open_loop([opts.probe_start_s + i * opts.probe_interval_s
+                               for i in range(len(probe))], send_probe)
+        flood_timings = await flooding
         wall = time.perf_counter() - start
         after = engine_counters(base_url)
     steps = after["loraplex_engine_steps_total"] - before["loraplex_engine_steps_total"]
@@ -198,39 +180,8 @@ async def run_scenario(
         scenario=scenario,
         mode=mode,
         flood_ttft_s=[t.ttft_s for t in flood_timings],
-        probe_ttft_s=[t.ttft_s for t in probe_timings],
+        probe_ttft_s=[probe_timings[i].ttft_s for i in range(len(probe))],
         wall_s=wall,
         mean_step_s=step_s / steps if steps else float("nan"),
     )
 
-
-@contextlib.contextmanager
-def authenticated_server(
-    serve_args: list[str], *, timeout_s: float = 300.0
-) -> Iterator[tuple[str, str]]:
-    """Yield (base URL, admin key) of a `loraplex serve` with API keys, on a fresh SQLite
-    database in a temporary data directory."""
-    admin_key = f"bench-admin-{secrets.token_hex(16)}"
-    with tempfile.TemporaryDirectory(prefix="loraplex-fairness-") as data_dir:
-        env = clean_env(LORAPLEX_ADMIN_KEY=admin_key, LORAPLEX_SECRET_KEY=secrets.token_hex(32),
-                        LORAPLEX_DATA_DIR=data_dir)
-        # One access-log line per request: to a file, not here.
-        with loraplex_serve(checkout_model_args(serve_args), env=env, no_auth=False,
-                            log_path=Path(data_dir) / "serve.log",
-                            timeout_s=timeout_s) as server:
-            yield server.base_url, admin_key
-
-
-def tenant_key(base_url: str, admin_key: str, name: str, tier: str) -> str:
-    """Create a tenant (its tier's quotas) and an API key for it through the admin API."""
-    return create_tenant(base_url, admin_key, name, tier=tier).key
-
-
-async def _model_name(client: httpx.AsyncClient) -> str:
-    response = await client.get("/v1/models")
-    response.raise_for_status()
-    return str(response.json()["data"][0]["id"])
-
-
-def _bearer(key: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {key}"}

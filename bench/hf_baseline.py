@@ -41,6 +41,18 @@ def load_hf_model(model_dir: Path) -> Any:
     return model
 
 
+def load_peft(base: Any, adapters: dict[str, Path]) -> Any:
+    """`base` wrapped by PEFT (in place) with every adapter loaded under its name."""
+    from peft import PeftModel
+
+    (first, first_dir), *rest = adapters.items()
+    model = PeftModel.from_pretrained(base, str(first_dir), adapter_name=first)
+    for name, path in rest:
+        model.load_adapter(str(path), adapter_name=name)
+    model.eval()
+    return model
+
+
 def _device(model: Any) -> torch.device:
     """Where the model's weights are (inputs go there; HF leaves that to the caller)."""
     return next(model.parameters()).device
@@ -91,19 +103,15 @@ def run_static_batches(
     tokens = 0
     for i in range(0, len(requests), batch_size):
         batch = requests[i : i + batch_size]
-        width = max(len(r.prompt_token_ids) for r in batch)
-        ids = torch.zeros(len(batch), width, dtype=torch.long)
-        mask = torch.zeros(len(batch), width, dtype=torch.long)
-        for row, r in enumerate(batch):
-            n = len(r.prompt_token_ids)
-            ids[row, width - n :] = torch.tensor(r.prompt_token_ids)
-            mask[row, width - n :] = 1
-        ids, mask = ids.to(_device(model)), mask.to(_device(model))
-        longest = max(r.max_tokens for r in batch)
-        kwargs = _greedy_kwargs(model, longest)
+        prompts = [r.prompt_token_ids for r in batch]
+        width = max(map(len, prompts))
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        kwargs = _greedy_kwargs(model, max(r.max_tokens for r in batch))
         if peft:
             kwargs["adapter_names"] = [r.model for r in batch]
-        model.generate(input_ids=ids, attention_mask=mask, **kwargs)
+        device = _device(model)
+        model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), **kwargs)
         tokens += sum(r.max_tokens for r in batch)
     mode = f"{'peft' if peft else 'hf'}_static_batch_{batch_size}"
     return HFResult(mode, len(requests), tokens, time.perf_counter() - start)

@@ -1,4 +1,3 @@
-
 """`loraplex bench kernels`: the Triton multi-LoRA kernels against torch baselines on one GPU.
 
 For SmolLM2-135M's LoRA groups (qkv, gate_up, down) and T tokens whose adapters are all
@@ -12,17 +11,17 @@ every adapter to the buffers' max rank.
 from __future__ import annotations
 
 import functools
+import itertools
 import statistics
 import sys
-import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
 
 from bench.harness.options import opt
-from bench.harness.report import machine_description, save_report
+from bench.harness.report import report_header, save_report
 from loraplex_kernels import reference as ref
 from loraplex_kernels.reference import LoRASegments
 
@@ -37,10 +36,7 @@ class LoRAGroupShape:
 
     @property
     def slice_offsets(self) -> tuple[int, ...]:
-        offsets = [0]
-        for width in self.slice_outs:
-            offsets.append(offsets[-1] + width)
-        return tuple(offsets)
+        return (0, *itertools.accumulate(self.slice_outs))
 
 
 # SmolLM2-135M: hidden 576, 9 query heads and 3 KV heads of 64, MLP 1536.
@@ -54,8 +50,7 @@ SMOLLM2_GROUPS = (
 @dataclass(slots=True)
 class KernelsOptions:
     num_tokens: tuple[int, ...] = opt((16, 64, 256), flag="--tokens")
-    popularity: tuple[str, ...] = opt(("identical", "distinct"),
-                                      choices=("identical", "distinct", "skewed"))
+    popularity: tuple[str, ...] = opt(("identical", "distinct"), choices=POPULARITIES)
     rank: int = opt(16, "every adapter's rank")
     max_rank: int = opt(64, "the slot buffers' R (what gather-bmm pads to)")
     dtype: str = opt("bfloat16", choices=("bfloat16", "float16", "float32"))
@@ -108,14 +103,6 @@ class LoRAProblem:
 ProblemOp = Callable[[LoRAProblem], "torch.Tensor | None"]
 
 
-@dataclass(frozen=True, slots=True)
-class OpVariants:
-    name: str
-    triton: ProblemOp
-    reference: ProblemOp
-    gather_bmm: ProblemOp
-
-
 def run_kernels(opts: KernelsOptions) -> dict[str, object]:
     if not torch.cuda.is_available():
         print(
@@ -128,61 +115,29 @@ def run_kernels(opts: KernelsOptions) -> dict[str, object]:
     from loraplex_kernels.lora_shrink import lora_shrink
 
     dtype = getattr(torch, opts.dtype)
-    report: dict[str, object] = {
-        "benchmark": "kernels",
-        "machine": machine_description(),
-        "options": {
-            "num_tokens": list(opts.num_tokens),
-            "popularity": list(opts.popularity),
-            "rank": opts.rank,
-            "max_rank": opts.max_rank,
-            "dtype": opts.dtype,
-            "warmup": opts.warmup,
-            "iters": opts.iters,
-            "seed": opts.seed,
-        },
-        "started_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    report = report_header("kernels", opts)
+    # Each op's implementations: Triton, the torch reference, gather-bmm.
+    ops: dict[str, tuple[ProblemOp, ProblemOp, ProblemOp]] = {
+        "shrink": (lambda p: lora_shrink(p.x, p.lora_a, p.ranks, p.segs),
+                   reference_shrink, gather_bmm_shrink),
+        "expand": (lambda p: lora_expand(p.y, p.shrunk, p.lora_b, p.ranks, p.scalings,
+                                         p.slice_offsets, p.segs),
+                   reference_expand, gather_bmm_expand),
     }
-    ops = (
-        OpVariants(
-            "shrink",
-            triton=lambda p: lora_shrink(p.x, p.lora_a, p.ranks, p.segs),
-            reference=reference_shrink,
-            gather_bmm=gather_bmm_shrink,
-        ),
-        OpVariants(
-            "expand",
-            triton=lambda p: lora_expand(
-                p.y, p.shrunk, p.lora_b, p.ranks, p.scalings, p.slice_offsets, p.segs
-            ),
-            reference=reference_expand,
-            gather_bmm=gather_bmm_expand,
-        ),
-    )
     rows: list[KernelTiming] = []
-    print_header()
-    for group in SMOLLM2_GROUPS:
-        for num_tokens in opts.num_tokens:
-            for popularity in opts.popularity:
-                problem = make_problem(group, num_tokens, popularity, opts, dtype)
-                for op in ops:
-                    err = max_difference(problem, op.triton, op.reference)
-                    triton_us, ref_us, bmm_us = (
-                        cuda_time_us(functools.partial(fn, problem), opts.warmup, opts.iters)
-                        for fn in (op.triton, op.reference, op.gather_bmm)
-                    )
-                    row = KernelTiming(
-                        group=group.name,
-                        num_tokens=num_tokens,
-                        popularity=popularity,
-                        op=op.name,
-                        triton_us=round(triton_us, 2),
-                        reference_us=round(ref_us, 2),
-                        gather_bmm_us=round(bmm_us, 2),
-                        max_abs_err=err,
-                    )
-                    rows.append(row)
-                    print_row(row)
+    _print_cells(_COLUMNS)
+    cases = itertools.product(SMOLLM2_GROUPS, opts.num_tokens, opts.popularity)
+    for group, num_tokens, popularity in cases:
+        problem = make_problem(group, num_tokens, popularity, opts, dtype)
+        for op, fns in ops.items():
+            err = max_difference(problem, fns[0], fns[1])
+            triton_us, ref_us, bmm_us = (
+                round(cuda_time_us(functools.partial(fn, problem), opts.warmup, opts.iters), 2)
+                for fn in fns
+            )
+            rows.append(KernelTiming(group.name, num_tokens, popularity, op, triton_us, ref_us,
+                                     bmm_us, max_abs_err=err))
+            _print_row(rows[-1])
     report["rows"] = [row.summary() for row in rows]
     save_report(report, "kernels", opts.output)
     return report
@@ -264,15 +219,11 @@ def gather_bmm_expand(p: LoRAProblem) -> None:
 
 def max_difference(p: LoRAProblem, triton_op: ProblemOp, reference_op: ProblemOp) -> float:
     """Max |triton - reference| over one call of each; in-place ops run on copies of y."""
-    y = p.y
     results: list[torch.Tensor] = []
-    try:
-        for op in (triton_op, reference_op):
-            p.y = y.clone()
-            out = op(p)
-            results.append(p.y if out is None else out)
-    finally:
-        p.y = y
+    for op in (triton_op, reference_op):
+        copy = replace(p, y=p.y.clone())
+        out = op(copy)
+        results.append(copy.y if out is None else out)
     return (results[0].float() - results[1].float()).abs().max().item()
 
 
@@ -293,25 +244,16 @@ def cuda_time_us(fn: Callable[[], object], warmup: int, iters: int) -> float:
     return statistics.median(start.elapsed_time(end) for start, end in events) * 1000.0
 
 
-
 _COLUMNS = ("group", "T", "popularity", "op", "triton us", "ref us", "bmm us", "ref/tri", "bmm/tri")
 
 
-def print_header() -> None:
-    print(" ".join(f"{c:>10}" for c in _COLUMNS), flush=True)
-
-
-def print_row(row: KernelTiming) -> None:
-    s = row.summary()
-    cells = (
-        row.group,
-        row.num_tokens,
-        row.popularity,
-        row.op,
-        f"{row.triton_us:.1f}",
-        f"{row.reference_us:.1f}",
-        f"{row.gather_bmm_us:.1f}",
-        f"{s['reference_over_triton']:.2f}x",
-        f"{s['gather_bmm_over_triton']:.2f}x",
-    )
+def _print_cells(cells: tuple[object, ...]) -> None:
     print(" ".join(f"{c:>10}" for c in cells), flush=True)
+
+
+def _print_row(row: KernelTiming) -> None:
+    s = row.summary()
+    times = (row.triton_us, row.reference_us, row.gather_bmm_us)
+    ratios = (s["reference_over_triton"], s["gather_bmm_over_triton"])
+    _print_cells((row.group, row.num_tokens, row.popularity, row.op,
+                  *(f"{t:.1f}" for t in times), *(f"{r:.2f}x" for r in ratios)))

@@ -22,12 +22,12 @@ import asyncio
 import json
 import random
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
+from bench.harness import loops
 from bench.harness.options import opt
 from bench.harness.report import print_row, report_header, write_report
 from bench.harness.server import engine_counters, model_name, running_server
@@ -38,8 +38,7 @@ from bench.harness.workload import (
     make_requests,
     percentile,
 )
-from engine.config import default_data_dir
-from engine.models.loader import load_model_config, resolve_model_dir
+from bench.lora import resolve_model
 
 SETTINGS: dict[str, list[str]] = {
     # No chunked prefill either: a step takes a whole 8k prompt (the flags given last win).
@@ -110,14 +109,13 @@ async def _replay(
         warm = BenchRequest(prompt_token_ids=schedule[0].request.prompt_token_ids[:16],
                             max_tokens=2)
         await _one_stream(client, model, warm)
-        start = time.perf_counter()
-        tasks: list[tuple[str, asyncio.Task[RequestTiming]]] = []
-        for arrival in schedule:
-            await asyncio.sleep(max(0.0, start + arrival.at_s - time.perf_counter()))
-            task = asyncio.create_task(_one_stream(client, model, arrival.request))
-            tasks.append((arrival.kind, task))
-        timings = [(kind, await task) for kind, task in tasks]
-        return timings, time.perf_counter() - start
+        timings: dict[int, RequestTiming] = {}
+
+        async def send(index: int, due: float) -> None:
+            timings[index] = await _one_stream(client, model, schedule[index].request)
+
+        wall = await loops.open_loop([a.at_s for a in schedule], send)
+    return [(a.kind, timings[i]) for i, a in enumerate(schedule)], wall
 
 
 def summarize(
@@ -159,8 +157,8 @@ def run_long_prompts(opts: LongPromptOptions) -> dict[str, object]:
     unknown = set(opts.settings) - SETTINGS.keys()
     if unknown:
         raise ValueError(f"unknown settings: {sorted(unknown)}")
-    model_dir = resolve_model_dir(opts.model, default_data_dir())
-    schedule = arrivals(opts, load_model_config(model_dir).vocab_size)
+    model_dir, config = resolve_model(opts.model)
+    schedule = arrivals(opts, config.vocab_size)
     report: dict[str, object] = report_header("long-prompts", opts)
     results: list[dict[str, object]] = []
     for setting in opts.settings:

@@ -6,12 +6,13 @@ run; docs/BENCHMARKS.md records the ratios.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
 import statistics
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,7 @@ TARGET_SETS: dict[str, tuple[str, ...]] = {
     "attention": ATTENTION,
     "all-linear": ALL_LINEAR,
 }
+ADAPTER_ROOT = Path("bench/results/adapters")
 
 
 @dataclass(slots=True)
@@ -49,6 +51,10 @@ class LoRABenchOptions:
     stream: bool = opt(False, "send requests as SSE streams (TTFT/TPOT figures, more client work)")
     hf_batch_size: int = 8  # lora-vs-peft
     loads: int = 20  # lora-cold-load
+    # lora-cold-load: also each adapter's fetch from an object store (the AWS_* settings
+    # reach it), and a burst of that many adapters fetched at once.
+    store: str | None = opt(None, "s3://bucket/prefix to time fetches from", metavar="URL")
+    store_burst: int = 32
     serve_args: list[str] = opt([], "extra flag for `serve`", flag="--serve-arg")
     output: Path | None = None
 
@@ -56,9 +62,29 @@ class LoRABenchOptions:
 # ---------------------------------------------------------------------------- helpers
 
 
-def _model(opts: LoRABenchOptions) -> tuple[Path, ModelConfig]:
-    model_dir = resolve_model_dir(opts.model, default_data_dir())
+def resolve_model(name: str) -> tuple[Path, ModelConfig]:
+    """The converted model's directory and its config."""
+    model_dir = resolve_model_dir(name, default_data_dir())
     return model_dir, load_model_config(model_dir)
+
+
+def engine_core(model_dir: Path, **config: Any) -> Any:
+    """An in-process EngineCore (no HTTP) on the model at `model_dir`."""
+    from engine.core.engine_core import EngineCore
+
+    return EngineCore(EngineConfig(model=str(model_dir), **config))
+
+
+def load_peft_model(model_dir: Path, adapters: dict[str, Path]) -> Any:
+    from bench.hf_baseline import load_peft
+
+    return load_peft(load_hf_model(model_dir), adapters)
+
+
+def _write_adapter(path: Path, config: ModelConfig, rank: int, targets: str, seed: int) -> Path:
+    return write_random_adapter(
+        path, config, rank=rank, alpha=2 * rank, targets=TARGET_SETS[targets], seed=seed
+    )
 
 
 def make_adapters(
@@ -66,19 +92,10 @@ def make_adapters(
 ) -> dict[str, Path]:
     """`count` random adapters named lora-0 .. lora-{count-1}, written once under root."""
     folder = root / f"{targets}-r{rank}-s{seed}"
-    adapters: dict[str, Path] = {}
-    for i in range(count):
-        path = folder / f"lora-{i}"
+    adapters = {f"lora-{i}": folder / f"lora-{i}" for i in range(count)}
+    for i, path in enumerate(adapters.values()):
         if not (path / "adapter_config.json").exists():
-            write_random_adapter(
-                path,
-                config,
-                rank=rank,
-                alpha=2 * rank,
-                targets=TARGET_SETS[targets],
-                seed=seed * 100_000 + i,
-            )
-        adapters[f"lora-{i}"] = path
+            _write_adapter(path, config, rank, targets, seed * 100_000 + i)
     return adapters
 
 
@@ -88,19 +105,34 @@ def zipf_choices(names: Sequence[str], n: int, alpha: float, seed: int) -> list[
     return random.Random(seed).choices(list(names), weights=weights, k=n)
 
 
-def _with_models(requests: list[BenchRequest], models: Sequence[str | None]) -> list[BenchRequest]:
-    return [
-        BenchRequest(prompt_token_ids=r.prompt_token_ids, max_tokens=r.max_tokens, model=m)
-        for r, m in zip(requests, models, strict=True)
-    ]
+def _requests(
+    opts: LoRABenchOptions, config: ModelConfig, models: Sequence[str | None]
+) -> list[BenchRequest]:
+    """The options' seeded requests, the i-th on models[i] (None: the base model)."""
+    requests = make_requests(
+        opts.num_requests, vocab_size=config.vocab_size, prompt_len=opts.prompt_len,
+        output_len=opts.output_len, seed=opts.seed,
+    )
+    for request, model in zip(requests, models, strict=True):
+        request.model = model
+    return requests
 
 
-def _lora_flags(adapters: dict[str, Path]) -> list[str]:
-    return [flag for name, path in adapters.items() for flag in ("--lora", f"{name}={path}")]
-
-
-def _adapter_root() -> Path:
-    return Path("bench/results/adapters")
+@contextlib.contextmanager
+def _lora_server(
+    opts: LoRABenchOptions, adapters: dict[str, Path], prompt: list[int], *flags: str
+) -> Iterator[tuple[str, str]]:
+    """A server with every adapter, each warmed into its slot by one short request (the
+    steady state is measured, not first loads); yields its URL and base model."""
+    serve = ["--model", opts.model, "--max-loras", str(opts.num_adapters),
+             "--max-num-seqs", str(max(opts.num_requests, 1)), *flags,
+             *(flag for name, path in adapters.items() for flag in ("--lora", f"{name}={path}")),
+             *opts.serve_args]
+    with running_server(serve) as base_url:
+        base_model = model_name(base_url)
+        warm = [BenchRequest(prompt[:8], 2, name) for name in adapters]
+        asyncio.run(run_load(base_url, base_model, warm, len(warm)))
+        yield base_url, base_model
 
 
 # ---------------------------------------------------------------------------- scaling
@@ -109,18 +141,11 @@ def _adapter_root() -> Path:
 def run_scaling(opts: LoRABenchOptions) -> dict[str, Any]:
     """N concurrent requests all on one adapter vs on N distinct adapters (uniform) vs
     Zipf popularity over the same N adapters; one server, rounds alternate."""
-    _, config = _model(opts)
+    _, config = resolve_model(opts.model)
     adapters = make_adapters(
-        _adapter_root(), config, opts.num_adapters, rank=opts.rank, targets=opts.targets
+        ADAPTER_ROOT, config, opts.num_adapters, rank=opts.rank, targets=opts.targets
     )
     names = list(adapters)
-    base_requests = make_requests(
-        opts.num_requests,
-        vocab_size=config.vocab_size,
-        prompt_len=opts.prompt_len,
-        output_len=opts.output_len,
-        seed=opts.seed,
-    )
     mixes: dict[str, list[str | None]] = {
         "single": [names[0]] * opts.num_requests,
         "uniform": [names[i % len(names)] for i in range(opts.num_requests)],
@@ -128,36 +153,19 @@ def run_scaling(opts: LoRABenchOptions) -> dict[str, Any]:
     }
     report = report_header("lora_scaling", opts)
     report["distinct_adapters"] = {k: len(set(v)) for k, v in mixes.items()}
+    workloads = {mix: _requests(opts, config, models) for mix, models in mixes.items()}
     runs: dict[str, list[LoadResult]] = {k: [] for k in mixes}
     # NOTE: no prefix caching: every round sends the same prompts, and a mix whose
     # requests share adapters with an earlier run would otherwise skip their prefills.
-    serve = [
-        "--model", opts.model,
-        "--max-loras", str(opts.num_adapters),
-        "--max-num-seqs", str(opts.num_requests),
-        "--no-enable-prefix-caching",
-        *_lora_flags(adapters),
-        *opts.serve_args,
-    ]  # fmt: skip
-    with running_server(serve) as base_url:
-        base_model = model_name(base_url)
-        # Warm every adapter into its slot: the steady state is measured, not first loads.
-        warm = [BenchRequest(base_requests[0].prompt_token_ids[:8], 2, name) for name in names]
-        asyncio.run(run_load(base_url, base_model, warm, len(warm)))
+    prompt = workloads["single"][0].prompt_token_ids
+    with _lora_server(opts, adapters, prompt, "--no-enable-prefix-caching") as (url, model):
         for round_index in range(opts.repeats):
             # The order rotates every round, so no mix always runs first or last.
             order = list(mixes)
             order = order[round_index % len(order) :] + order[: round_index % len(order)]
             for mix in order:
-                models = mixes[mix]
                 result = asyncio.run(
-                    run_load(
-                        base_url,
-                        base_model,
-                        _with_models(base_requests, models),
-                        opts.num_requests,
-                        stream=opts.stream,
-                    )
+                    run_load(url, model, workloads[mix], opts.num_requests, stream=opts.stream)
                 )
                 runs[mix].append(result)
                 print_row(f"{mix} #{round_index}", result.summary())
@@ -177,78 +185,42 @@ def run_scaling(opts: LoRABenchOptions) -> dict[str, Any]:
 # ---------------------------------------------------------------------------- vs PEFT
 
 
-def load_peft_model(model_dir: Path, adapters: dict[str, Path]) -> Any:
-    from bench.gpu.engine_runs import load_peft
-
-    return load_peft(load_hf_model(model_dir), adapters)
-
-
 def run_vs_peft(opts: LoRABenchOptions) -> dict[str, Any]:
     """num_requests over num_adapters (one each, round robin): the server vs PEFT
     one-at-a-time (set_adapter) and in static mixed batches (adapter_names)."""
-    model_dir, config = _model(opts)
+    model_dir, config = resolve_model(opts.model)
     adapters = make_adapters(
-        _adapter_root(), config, opts.num_adapters, rank=opts.rank, targets=opts.targets
+        ADAPTER_ROOT, config, opts.num_adapters, rank=opts.rank, targets=opts.targets
     )
     names = list(adapters)
-    requests = _with_models(
-        make_requests(
-            opts.num_requests,
-            vocab_size=config.vocab_size,
-            prompt_len=opts.prompt_len,
-            output_len=opts.output_len,
-            seed=opts.seed,
-        ),
-        [names[i % len(names)] for i in range(opts.num_requests)],
-    )
+    requests = _requests(opts, config, [names[i % len(names)] for i in range(opts.num_requests)])
     report = report_header("lora_vs_peft", opts)
-    serve = [
-        "--model", opts.model,
-        "--max-loras", str(opts.num_adapters),
-        "--max-num-seqs", str(max(opts.num_requests, 1)),
-        *_lora_flags(adapters),
-        *opts.serve_args,
-    ]  # fmt: skip
-    engine_runs: list[LoadResult] = []
-    single_runs: list[HFResult] = []
-    static_runs: list[HFResult] = []
+    runs: dict[str, list[LoadResult | HFResult]] = {
+        "engine": [], "peft_one_at_a_time": [], "peft_static_batches": []
+    }
     peft = load_peft_model(model_dir, adapters)
     for round_index in range(opts.repeats):
-        with running_server(serve) as base_url:
-            base_model = model_name(base_url)
-            warm = [BenchRequest(requests[0].prompt_token_ids[:8], 2, name) for name in names]
-            asyncio.run(run_load(base_url, base_model, warm, len(warm)))
-            engine_runs.append(
-                asyncio.run(
-                    run_load(base_url, base_model, requests, opts.num_requests, stream=opts.stream)
-                )
-            )
-        print_row(f"engine #{round_index}", engine_runs[-1].summary())
+        with _lora_server(opts, adapters, requests[0].prompt_token_ids) as (url, model):
+            runs["engine"].append(asyncio.run(
+                run_load(url, model, requests, opts.num_requests, stream=opts.stream)
+            ))
+        print_row(f"engine #{round_index}", runs["engine"][-1].summary())
         if round_index == 0:
-            warm_peft = [BenchRequest(requests[0].prompt_token_ids[:8], 2, names[0])]
+            warm_peft = [BenchRequest(requests[0].prompt_token_ids[:8], 2, requests[0].model)]
             run_one_at_a_time(peft, warm_peft, peft=True)
-        single_runs.append(run_one_at_a_time(peft, requests, peft=True))
-        print_row(f"peft one-at-a-time #{round_index}", single_runs[-1].summary())
-        static_runs.append(run_static_batches(peft, requests, opts.hf_batch_size, peft=True))
-        print_row(f"peft static x{opts.hf_batch_size} #{round_index}", static_runs[-1].summary())
-    engine = max(engine_runs, key=lambda r: r.output_tokens_per_s)
-    single = max(single_runs, key=lambda r: r.output_tokens_per_s)
-    static = max(static_runs, key=lambda r: r.output_tokens_per_s)
-    best_peft = max(single, static, key=lambda r: r.output_tokens_per_s)
-    report["engine"] = engine.summary()
-    report["peft_one_at_a_time"] = single.summary()
-    report["peft_static_batches"] = static.summary()
-    report["runs"] = {
-        "engine": [r.summary() for r in engine_runs],
-        "peft_one_at_a_time": [r.summary() for r in single_runs],
-        "peft_static_batches": [r.summary() for r in static_runs],
-    }
+        runs["peft_one_at_a_time"].append(run_one_at_a_time(peft, requests, peft=True))
+        print_row(f"peft one-at-a-time #{round_index}", runs["peft_one_at_a_time"][-1].summary())
+        static = run_static_batches(peft, requests, opts.hf_batch_size, peft=True)
+        runs["peft_static_batches"].append(static)
+        print_row(f"peft static x{opts.hf_batch_size} #{round_index}", static.summary())
+    best = {k: max(rs, key=lambda r: r.output_tokens_per_s) for k, rs in runs.items()}
+    report.update({k: r.summary() for k, r in best.items()})
+    report["runs"] = {k: [r.summary() for r in rs] for k, rs in runs.items()}
+    engine, single, static_rate = (r.output_tokens_per_s for r in best.values())
     report["ratios"] = {
-        "engine_vs_best_peft": round(engine.output_tokens_per_s / best_peft.output_tokens_per_s, 2),
-        "engine_vs_peft_one_at_a_time": round(
-            engine.output_tokens_per_s / single.output_tokens_per_s, 2
-        ),
-        "engine_vs_peft_static": round(engine.output_tokens_per_s / static.output_tokens_per_s, 2),
+        "engine_vs_best_peft": round(engine / max(single, static_rate), 2),
+        "engine_vs_peft_one_at_a_time": round(engine / single, 2),
+        "engine_vs_peft_static": round(engine / static_rate, 2),
     }
     print("best of each:", json.dumps(report["ratios"]), flush=True)
     write_report(report, opts.output)
@@ -273,43 +245,25 @@ def _step_time(core: Any, requests: list[Any]) -> tuple[float, int]:
 def run_overhead(opts: LoRABenchOptions) -> dict[str, Any]:
     """The same requests on the base model and all on one adapter, in one in-process
     engine (no HTTP): mean step time of each, best of `repeats` alternating rounds."""
-    from engine.core.engine_core import EngineCore
-    from engine.request import EngineRequest, SamplingParams
+    from bench.gpu.engine_throughput import engine_requests
 
-    model_dir, config = _model(opts)
-    adapters = make_adapters(_adapter_root(), config, 1, rank=opts.rank, targets=opts.targets)
-    core = EngineCore(
-        EngineConfig(model=str(model_dir), max_num_seqs=opts.num_requests, max_loras=1)
-    )
+    model_dir, config = resolve_model(opts.model)
+    adapters = make_adapters(ADAPTER_ROOT, config, 1, rank=opts.rank, targets=opts.targets)
+    core = engine_core(model_dir, max_num_seqs=opts.num_requests, max_loras=1)
     core.add_adapter("lora-0", adapters["lora-0"])
-    workload = make_requests(
-        opts.num_requests,
-        vocab_size=config.vocab_size,
-        prompt_len=opts.prompt_len,
-        output_len=opts.output_len,
-        seed=opts.seed,
-    )
-
-    def requests(tag: str, adapter: str | None) -> list[EngineRequest]:
-        return [
-            EngineRequest(
-                request_id=f"{tag}-{i}",
-                prompt_token_ids=tuple(r.prompt_token_ids),
-                sampling=SamplingParams(max_tokens=r.max_tokens, temperature=0, ignore_eos=True),
-                adapter=adapter,
-                # A distinct salt per round: no prefix-cache hits between rounds.
-                salt=tag,
-            )
-            for i, r in enumerate(workload)
-        ]
-
+    workloads = {
+        label: _requests(opts, config, [adapter] * opts.num_requests)
+        for label, adapter in (("base", None), ("lora", "lora-0"))
+    }
     report = report_header("lora_overhead", opts)
-    _step_time(core, requests("warm", "lora-0")[:2])
-    rounds: dict[str, list[float]] = {"base": [], "lora": []}
+    _step_time(core, engine_requests(workloads["lora"][:2], "warm", ignore_eos=True))
+    rounds: dict[str, list[float]] = {label: [] for label in workloads}
     steps: dict[str, int] = {}
     for round_index in range(opts.repeats):
-        for label, adapter in (("base", None), ("lora", "lora-0")):
-            seconds, n = _step_time(core, requests(f"{label}{round_index}", adapter))
+        for label, workload in workloads.items():
+            # A distinct tag per round: no prefix-cache hits between rounds.
+            requests = engine_requests(workload, f"{label}{round_index}", ignore_eos=True)
+            seconds, n = _step_time(core, requests)
             rounds[label].append(seconds)
             steps[label] = n
             print_row(f"{label} #{round_index}", {"step_ms": round(seconds * 1000, 2), "steps": n})
@@ -330,14 +284,13 @@ def run_cold_load(opts: LoRABenchOptions) -> dict[str, Any]:
     """An adapter from disk to ready: read + validate + host copy (add_adapter), then the
     device-slot install its first request pays; PEFT's `load_adapter` of the same files
     on the same machine is the baseline."""
-    from engine.core.engine_core import EngineCore
-    from engine.request import EngineRequest, SamplingParams
+    from bench.gpu.engine_throughput import engine_requests
 
-    model_dir, config = _model(opts)
-    core = EngineCore(EngineConfig(model=str(model_dir), max_loras=1, max_cpu_loras=1))
+    model_dir, config = resolve_model(opts.model)
+    core = engine_core(model_dir, max_loras=1, max_cpu_loras=1)
     peft = load_peft_model(
         model_dir,
-        make_adapters(_adapter_root(), config, 1, rank=opts.rank, targets=opts.targets, seed=9),
+        make_adapters(ADAPTER_ROOT, config, 1, rank=opts.rank, targets=opts.targets, seed=9),
     )
     report = report_header("lora_cold_load", opts)
     to_host: list[float] = []
@@ -349,47 +302,74 @@ def run_cold_load(opts: LoRABenchOptions) -> dict[str, Any]:
             # A fresh directory each time, written before the clock starts. NOTE: the page
             # cache still holds it; a load from a cold disk adds the read time of
             # size_bytes.
-            path = write_random_adapter(
-                Path(tmp) / f"cold-{i}",
-                config,
-                rank=opts.rank,
-                alpha=2 * opts.rank,
-                targets=TARGET_SETS[opts.targets],
-                seed=1000 + i,
-            )
+            name = f"cold-{i}"
+            path = _write_adapter(Path(tmp) / name, config, opts.rank, opts.targets, 1000 + i)
             start = time.perf_counter()
-            size_bytes = core.add_adapter(f"cold-{i}", path).size_bytes
+            size_bytes = core.add_adapter(name, path).size_bytes
             loaded = time.perf_counter()
-            core.add_request(
-                EngineRequest(
-                    request_id=f"r{i}",
-                    prompt_token_ids=(1000, 1001),
-                    sampling=SamplingParams(max_tokens=1, temperature=0),
-                    adapter=f"cold-{i}",
-                )
-            )
+            probe = engine_requests([BenchRequest([1000, 1001], 1, name)], f"r{i}",
+                                    ignore_eos=False)
+            core.add_request(probe[0])
             while core.has_unfinished_requests():
                 core.step()  # the first step installs the adapter in a device slot
             assert core.runner.lora is not None
             to_host.append(loaded - start)
             to_ready.append((loaded - start) + core.runner.lora.last_install_s)
-            core.remove_adapter(f"cold-{i}")
+            core.remove_adapter(name)
             start = time.perf_counter()
-            peft.load_adapter(str(path), adapter_name=f"cold-{i}")
+            peft.load_adapter(str(path), adapter_name=name)
             peft_load.append(time.perf_counter() - start)
-            peft.delete_adapter(f"cold-{i}")
+            peft.delete_adapter(name)
+        fetches = _store_fetches(opts, config, Path(tmp)) if opts.store else {}
     report["size_bytes"] = size_bytes
-    report["add_adapter_s"] = _percentiles(to_host)
-    report["disk_to_ready_s"] = _percentiles(to_ready)
-    report["peft_load_adapter_s"] = _percentiles(peft_load)
+    for key, label, values in (
+        ("add_adapter_s", "add_adapter", to_host),
+        ("disk_to_ready_s", "disk to ready", to_ready),
+        ("peft_load_adapter_s", "peft load_adapter", peft_load),
+        *(("store_fetch_s", "store fetch", fetches.get("one", [])),
+          ("store_burst_s", f"{opts.store_burst} fetched at once", fetches.get("burst", []))),
+    ):
+        if not values:
+            continue
+        report[key] = _percentiles(values)
+        print_row(label, report[key])
     report["ratios"] = {
         "peft_vs_ours_p50": round(statistics.median(peft_load) / statistics.median(to_ready), 2)
     }
-    print_row("add_adapter", report["add_adapter_s"])
-    print_row("disk to ready", report["disk_to_ready_s"])
-    print_row("peft load_adapter", report["peft_load_adapter_s"])
     write_report(report, opts.output)
     return report
+
+
+def _store_fetches(opts: LoRABenchOptions, config: ModelConfig, tmp: Path
+                   ) -> dict[str, list[float]]:
+    """Adapters of the same shape put in the object store, then fetched hash-checked into
+    a node's empty cache (AdapterStore.ensure): one at a time (`loads`), and `store_burst`
+    at once on as many threads (the burst's wall time)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from app.registry.archive import directory_digest
+    from app.registry.object_store import ObjectStore
+    from app.registry.store import AdapterStore
+
+    assert opts.store is not None
+    remote = ObjectStore(opts.store)
+    digests = []
+    for i in range(opts.loads + opts.store_burst):
+        path = _write_adapter(tmp / f"stored-{i}", config, opts.rank, opts.targets, 5000 + i)
+        digest = directory_digest(path, 1 << 40)
+        assert digest is not None
+        remote.upload(digest, path)
+        digests.append(digest)
+    node = AdapterStore(tmp / "node", remote=remote)
+    one = []
+    for digest in digests[: opts.loads]:
+        start = time.perf_counter()
+        node.ensure(digest)
+        one.append(time.perf_counter() - start)
+    start = time.perf_counter()
+    with ThreadPoolExecutor(opts.store_burst) as pool:
+        list(pool.map(node.ensure, digests[opts.loads:]))
+    return {"one": one, "burst": [time.perf_counter() - start]}
 
 
 def _percentiles(values: list[float]) -> dict[str, float]:

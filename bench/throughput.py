@@ -11,17 +11,15 @@ from __future__ import annotations
 import asyncio
 import json
 import subprocess
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from bench.harness.options import opt
-from bench.harness.report import machine_description, print_row, write_report
+from bench.harness.report import print_row, report_header, write_report
 from bench.harness.server import ProcessMemory, model_name, running_server
 from bench.harness.workload import BenchRequest, LoadResult, make_requests, run_load
 from bench.hf_baseline import HFResult, load_hf_model, run_one_at_a_time, run_static_batches
-from engine.config import default_data_dir
-from engine.models.loader import load_model_config, resolve_model_dir
+from bench.lora import resolve_model
 
 
 @dataclass(slots=True)
@@ -44,34 +42,16 @@ class ThroughputOptions:
 
 
 def run_throughput(opts: ThroughputOptions) -> dict[str, object]:
-    model_dir = resolve_model_dir(opts.model, default_data_dir())
-    vocab = load_model_config(model_dir).vocab_size
+    model_dir, config = resolve_model(opts.model)
     requests = make_requests(
-        opts.num_requests,
-        vocab_size=vocab,
-        prompt_len=opts.prompt_len,
-        output_len=opts.output_len,
-        seed=opts.seed,
+        opts.num_requests, vocab_size=config.vocab_size, prompt_len=opts.prompt_len,
+        output_len=opts.output_len, seed=opts.seed,
     )
-    report: dict[str, object] = {
-        "benchmark": "throughput",
-        "machine": machine_description(),
-        "options": {
-            "model": opts.model,
-            "num_requests": opts.num_requests,
-            "concurrency": opts.concurrency,
-            "prompt_len": list(opts.prompt_len),
-            "output_len": list(opts.output_len),
-            "seed": opts.seed,
-            "serve_args": opts.serve_args,
-        },
-        "started_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
-    }
-    engine_runs: list[LoadResult] = []
+    report = report_header("throughput", opts)
+    engine_runs: list[tuple[LoadResult, dict[str, object]]] = []  # each with its report row
     static_runs: list[HFResult] = []
     single: HFResult | None = None
     hf_model = None if opts.skip_hf else load_hf_model(model_dir)
-    memory_runs: list[dict[str, int | None]] = []
     for round_index in range(opts.repeats):
         procs: list[subprocess.Popen[bytes]] = []
         with running_server(["--model", opts.model, *opts.serve_args], on_start=procs.append
@@ -81,15 +61,15 @@ def run_throughput(opts: ThroughputOptions) -> dict[str, object]:
             base_model = model_name(base_url)
             warm = [BenchRequest(prompt_token_ids=requests[0].prompt_token_ids[:32], max_tokens=4)]
             asyncio.run(run_load(base_url, base_model, warm, 1))
-            engine_runs.append(
-                asyncio.run(run_load(base_url, base_model, requests, opts.concurrency))
-            )
-            memory_runs.append({
+            result = asyncio.run(run_load(base_url, base_model, requests, opts.concurrency))
+            row: dict[str, object] = {
+                **result.summary(),
                 "ready_rss_mb": ready_rss,
                 "peak_rss_mb": server.peak_rss_mb(),  # VmHWM: the kernel's high-water mark
                 "end_rss_mb": server.rss_mb(),
-            })
-        print_row(f"engine #{round_index}", {**engine_runs[-1].summary(), **memory_runs[-1]})
+            }
+        engine_runs.append((result, row))
+        print_row(f"engine #{round_index}", row)
         if hf_model is None:
             continue
         if single is None:
@@ -99,24 +79,18 @@ def run_throughput(opts: ThroughputOptions) -> dict[str, object]:
         static_runs.append(run_static_batches(hf_model, requests, opts.hf_batch_size))
         print_row(f"hf static x{opts.hf_batch_size} #{round_index}", static_runs[-1].summary())
 
-    best = max(range(len(engine_runs)), key=lambda i: engine_runs[i].output_tokens_per_s)
-    engine = engine_runs[best]
-    report["engine"] = {**engine.summary(), **memory_runs[best]}
-    report["engine_runs"] = [
-        {**r.summary(), **m} for r, m in zip(engine_runs, memory_runs, strict=True)
-    ]
+    engine, best_row = max(engine_runs, key=lambda run: run[0].output_tokens_per_s)
+    report["engine"] = best_row
+    report["engine_runs"] = [row for _, row in engine_runs]
     if single is not None and static_runs:
         static = max(static_runs, key=lambda r: r.output_tokens_per_s)
         report["hf_one_at_a_time"] = single.summary()
         report["hf_static_batches"] = static.summary()
         report["hf_static_runs"] = [r.summary() for r in static_runs]
+        rate = engine.output_tokens_per_s
         report["ratios"] = {
-            "engine_vs_hf_static": round(
-                engine.output_tokens_per_s / static.output_tokens_per_s, 2
-            ),
-            "engine_vs_hf_one_at_a_time": round(
-                engine.output_tokens_per_s / single.output_tokens_per_s, 2
-            ),
+            "engine_vs_hf_static": round(rate / static.output_tokens_per_s, 2),
+            "engine_vs_hf_one_at_a_time": round(rate / single.output_tokens_per_s, 2),
         }
         print("best of each:", json.dumps(report["ratios"]))
     write_report(report, opts.output)

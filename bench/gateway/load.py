@@ -15,7 +15,7 @@ import asyncio
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import httpx
 
@@ -43,12 +43,6 @@ class Probe:
 class Reply:
     status: int
     body: bytes
-
-
-class LoadClient(Protocol):
-    async def send(self, probe: Probe) -> Reply: ...
-
-    async def aclose(self) -> None: ...
 
 
 class RawClient:
@@ -125,6 +119,9 @@ class HttpxClient:
 
     async def aclose(self) -> None:
         await self._client.aclose()
+
+
+LoadClient = RawClient | HttpxClient
 
 
 def make_client(kind: str, base_url: str, *, max_connections: int) -> LoadClient:

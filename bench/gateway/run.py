@@ -33,15 +33,10 @@ import httpx
 from sqlalchemy.engine import make_url
 
 from bench.gateway.load import Probe, Samples, closed_loop, make_client, open_loop
-from bench.gateway.server import (
-    Server,
-    UsageCheck,
-    check_usage,
-    flush_redis,
-    running_servers,
-)
+from bench.gateway.server import Server, UsageCheck, check_usage, running_servers
 from bench.harness.options import internal, opt
-from bench.harness.report import machine_description, save_report
+from bench.harness.report import ReportHead, machine_description, options_json, save_report
+from bench.harness.server import prepare_stores
 from bench.harness.workload import percentile
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/13"
@@ -115,10 +110,7 @@ class AddedLatency:
 
 
 @dataclass(slots=True)
-class GatewayReport:
-    options: dict[str, Any]
-    machine: str
-    started_at: str
+class GatewayReport(ReportHead):
     runs: list[ScenarioRun]
     summaries: list[ScenarioSummary]
     added: list[AddedLatency]
@@ -126,10 +118,7 @@ class GatewayReport:
     aim_met: bool  # median added p50 of `chat` under AIM_ADDED_P50_MS at the target rate
 
     def to_json(self) -> dict[str, Any]:
-        data = asdict(self)
-        for check, raw in zip(self.checks, data["checks"], strict=True):
-            raw["ok"] = check.ok
-        return data
+        return {**asdict(self), "checks": [{**asdict(c), "ok": c.ok} for c in self.checks]}
 
 
 # ------------------------------------------------------------------- measuring
@@ -180,18 +169,12 @@ async def measure(scenario: str, repeat: int, server: Server, probe: Probe,
     ms = sorted(x * 1000 for x in samples.latencies_s)
     overhead_count = overhead_after[1] - overhead_before[1]
     return ScenarioRun(
-        scenario=scenario,
-        repeat=repeat,
-        mode="closed" if closed else "open",
+        scenario=scenario, repeat=repeat, mode="closed" if closed else "open",
         target_rate=None if closed else opts.rate,
         concurrency=opts.concurrency if closed else None,
-        num_sent=num_sent,
-        num_ok=num_ok,
-        num_errors=samples.num_errors,
+        num_sent=num_sent, num_ok=num_ok, num_errors=samples.num_errors,
         achieved_rate=num_ok / samples.wall_s if samples.wall_s > 0 else 0.0,
-        p50_ms=percentile(ms, 50),
-        p90_ms=percentile(ms, 90),
-        p99_ms=percentile(ms, 99),
+        p50_ms=percentile(ms, 50), p90_ms=percentile(ms, 90), p99_ms=percentile(ms, 99),
         max_ms=ms[-1] if ms else float("nan"),
         server_cpu_ms_per_request=(
             None if cpu_before is None or cpu_after is None or not num_sent
@@ -272,15 +255,10 @@ def added_latency(summaries: list[ScenarioSummary]) -> list[AddedLatency]:
 
 def run_gateway(opts: GatewayOptions) -> GatewayReport:
     started_at = time.strftime("%Y-%m-%dT%H:%M:%S")
-    flush_redis(opts.redis_url)
-    if opts.database_url is not None:
-        from app.db import upgrade
-
-        upgrade(opts.database_url)  # as an operator does before starting replicas
+    prepare_stores(opts.database_url, opts.redis_url)
     with tempfile.TemporaryDirectory(prefix="loraplex-bench-gateway-") as tmp:
-        with running_servers(
-            Path(tmp), database_url=opts.database_url, redis_url=opts.redis_url
-        ) as (keys, no_auth):
+        with running_servers(Path(tmp), database_url=opts.database_url,
+                             redis_url=opts.redis_url) as (keys, no_auth):
             if not opts.quiet:
                 print(_HEADER, flush=True)
             runs = asyncio.run(measure_all(keys, no_auth, opts))
@@ -288,17 +266,12 @@ def run_gateway(opts: GatewayOptions) -> GatewayReport:
     summaries = summarize(runs)
     added = added_latency(summaries)
     chat = next(s for s in summaries if s.scenario == "chat")
-    options = {k: v for k, v in asdict(opts).items() if k not in ("output", "quiet")}
+    options = options_json(opts, exclude=("output", "quiet"))
     if opts.database_url is not None:
         options["database_url"] = make_url(opts.database_url).render_as_string()  # no password
     report = GatewayReport(
-        options=options,
-        machine=machine_description(),
-        started_at=started_at,
-        runs=runs,
-        summaries=summaries,
-        added=added,
-        checks=checks,
+        options=options, machine=machine_description(), started_at=started_at, runs=runs,
+        summaries=summaries, added=added, checks=checks,
         aim_met=(
             next(a for a in added if a.scenario == "chat").median_p50_ms < AIM_ADDED_P50_MS
             and chat.median_rate >= 0.95 * opts.rate

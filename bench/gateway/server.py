@@ -8,16 +8,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import secrets
-import signal
 import subprocess
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.harness.server import free_port, wait_ready
+from bench.harness.server import free_port, launched
 from bench.harness.tenants import create_tenant
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -51,7 +51,6 @@ class Server:
     name: str
     base_url: str
     proc: subprocess.Popen[bytes]
-    log_path: Path
     database_url: str
     tenant_id: str | None = None  # None: no-auth
     headers: dict[str, str] = field(default_factory=dict)
@@ -73,10 +72,13 @@ class Server:
         return total_ns / 1e9
 
 
-def start_server(name: str, data_dir: Path, *, no_auth: bool, admin_key: str,
-                 database_url: str | None, redis_url: str) -> Server:
+@contextlib.contextmanager
+def started_server(name: str, data_dir: Path, *, no_auth: bool, admin_key: str,
+                   database_url: str | None, redis_url: str) -> Iterator[Server]:
     """`create_app(FakeEngine.instant_engine(), Settings())` served like `loraplex serve`,
-    in its own interpreter; database_url None: a fresh SQLite file under data_dir."""
+    in its own interpreter; database_url None: a fresh SQLite file under data_dir. Stopped
+    with SIGTERM, as an orchestrator stops a replica: in-flight requests finish, usage
+    flushes."""
     data_dir.mkdir(parents=True)
     port = free_port()
     database_url = database_url or f"sqlite:///{data_dir / 'loraplex.db'}"
@@ -91,38 +93,11 @@ def start_server(name: str, data_dir: Path, *, no_auth: bool, admin_key: str,
         "DATABASE_URL": database_url,
         "REDIS_URL": redis_url,
     }
-    log_path = data_dir / "server.log"
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "bench.gateway.server"],
-            cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-        )
-    return Server(name, f"http://127.0.0.1:{port}", proc, log_path, database_url)
-
-
-def wait_healthy(server: Server, timeout_s: float = 120.0) -> None:
-    wait_ready(server.proc, server.base_url, timeout_s, cmd=[server.name],
-               log=server.log_path, ready_path="/health")
-
-
-def stop_servers(servers: list[Server], timeout_s: float = 60.0) -> None:
-    """SIGTERM, as an orchestrator stops a replica: in-flight requests finish, usage
-    flushes. All are signalled first, so that they drain at the same time."""
-    for server in servers:
-        if server.proc.poll() is None:
-            server.proc.send_signal(signal.SIGTERM)
-    for server in servers:
-        try:
-            server.proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            server.proc.kill()
-            server.proc.wait()
-
-
-def setup_tenant(server: Server, admin_key: str) -> None:
-    """One tenant with limits never reached, and an inference key, through the admin API."""
-    made = create_tenant(server.base_url, admin_key, "bench", quotas=_UNREACHED)
-    server.tenant_id, server.headers = made.tenant_id, made.headers
+    base_url = f"http://127.0.0.1:{port}"
+    with launched([sys.executable, "-m", "bench.gateway.server"], base_url, env=env,
+                  cwd=REPO_ROOT, log_path=data_dir / "server.log", timeout_s=120.0,
+                  ready_path="/health") as server:
+        yield Server(name, base_url, server.proc, database_url)
 
 
 def serve_main() -> None:
@@ -163,47 +138,27 @@ def check_usage(server: Server, max_tokens: int) -> UsageCheck:
     finally:
         engine.dispose()
     return UsageCheck(
-        server=server.name,
-        responses_ok=len(ids),
-        rows=rows,
-        rows_matching=matching,
-        completion_tokens=int(tokens),
-        expected_completion_tokens=len(ids) * max_tokens,
+        server=server.name, responses_ok=len(ids), rows=rows, rows_matching=matching,
+        completion_tokens=int(tokens), expected_completion_tokens=len(ids) * max_tokens,
         exit_code=server.proc.returncode,
     )
-
-
-def flush_redis(url: str) -> None:
-    import redis
-
-    client = redis.Redis.from_url(url, socket_connect_timeout=3)
-    try:
-        client.flushdb()
-    finally:
-        client.close()
 
 
 @contextlib.contextmanager
 def running_servers(
     root: Path, *, database_url: str | None, redis_url: str
 ) -> Iterator[tuple[Server, Server]]:
-    """A server with keys (its tenant and key set up) and a no-auth one; stopped (SIGTERM)
-    on exit, so that both have flushed their usage when this returns."""
+    """A server with keys (its tenant with limits never reached and an inference key set
+    up) and a no-auth one; stopped on exit, so that both have flushed their usage when
+    this returns."""
     admin_key = secrets.token_urlsafe(24)
-
-    def start(name: str, *, no_auth: bool) -> Server:
-        return start_server(name, root / name, no_auth=no_auth, admin_key=admin_key,
-                            database_url=database_url, redis_url=redis_url)
-
-    servers = [start("keys", no_auth=False)]
-    try:
-        servers.append(start("no-auth", no_auth=True))
-        for server in servers:
-            wait_healthy(server)
-        setup_tenant(servers[0], admin_key)
-        yield servers[0], servers[1]
-    finally:
-        stop_servers(servers)
+    start = functools.partial(started_server, admin_key=admin_key, database_url=database_url,
+                              redis_url=redis_url)
+    with start("keys", root / "keys", no_auth=False) as keys, \
+            start("no-auth", root / "no-auth", no_auth=True) as no_auth:
+        made = create_tenant(keys.base_url, admin_key, "bench", quotas=_UNREACHED)
+        keys.tenant_id, keys.headers = made.tenant_id, made.headers
+        yield keys, no_auth
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """The prepared GPU check: every step timed, each failure recorded without stopping the
-rest, one JSON report (rewritten after each step) under --out.
+rest, one JSON report under --out, rewritten after each step so that a run cut short
+still leaves what it measured.
 
     python -m bench.gpu.check --out DIR            # a CUDA GPU: sized for 8 min on one H200
     python -m bench.gpu.check --out DIR --dry-run  # the same steps on the CPU, tiny shapes
@@ -12,7 +13,9 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -20,37 +23,98 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from xml.etree import ElementTree
 
 import torch
 
-from bench.gpu import models
-from bench.gpu.plans import DRY_RUN_PLAN, GPU_PLAN, Plan
-from bench.gpu.report import (
-    ERROR,
-    FAILED,
-    NOT_APPLICABLE_CPU,
-    NOT_APPLICABLE_NO_TRITON,
-    NOT_RUN_BUDGET,
-    NOT_SELECTED,
-    OK,
-    CheckReport,
-    StepOutcome,
-    StepReport,
-    machine_info,
-)
+from bench.gpu.models import DRY_RUN_PLAN, GPU_PLAN, Plan, scratch_dir
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PLAN_ENV = "LORAPLEX_GPU_PLAN"  # tests/gpu/conftest.py: which plan's shapes the tests take
+REPORT_NAME = "gpu-check.json"
+LOG_NAME = "gpu-check.log"  # run.sh's
 
 # NOTE: the steps import what they use when they run, so that a module missing on the
 # device machine fails its steps, in the report, instead of the whole check.
 if TYPE_CHECKING:
     from bench.gpu.engine_throughput import BenchModel
-    from bench.gpu.kernel_checks import BatchSpec, LoRAGroupShape
+
+# ---------------------------------------------------------------------------- report
+# A step's status. "failed": it ran and a check did not hold; "error": it raised;
+# NOT_APPLICABLE_CPU: it ran what it could on the CPU, the figure it exists for needs a GPU;
+# NOT_APPLICABLE_NO_TRITON: a kernel step on the CPU of a machine without triton (its
+# interpreter is what runs the kernels there), not run; the step's note says so.
+OK = "ok"
+FAILED = "failed"
+ERROR = "error"
+NOT_APPLICABLE_CPU = "not-applicable (cpu)"
+NOT_APPLICABLE_NO_TRITON = "not-applicable (no triton)"
+NOT_RUN_BUDGET = "not-run (time budget)"
+NOT_SELECTED = "not-run (not selected)"  # a rerun with --steps
+
+
+@dataclass(slots=True)
+class StepOutcome:
+    """What a step function returns: its figures, and the checks that did not hold."""
+
+    results: dict[str, Any]
+    problems: list[str] = field(default_factory=list)
+    # Set on the CPU for a step whose figure needs a GPU (it still ran what it could).
+    not_applicable: bool = False
+
+
+@dataclass(slots=True)
+class StepReport:
+    name: str
+    status: str = "pending"
+    seconds: float | None = None
+    error: str | None = None  # the exception, or the checks that did not hold
+    note: str | None = None  # why a step that was not applicable did not run
+    results: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class CheckReport:
+    mode: str  # "gpu" or "dry-run"
+    machine: dict[str, Any]
+    steps: list[StepReport]
+    schema: int = 1
+    started_at: str = field(default_factory=lambda: time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+    total_s: float | None = None
+
+    def write(self, out_dir: Path) -> None:
+        path = out_dir / REPORT_NAME
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(asdict(self), indent=2, default=str) + "\n")
+        tmp.replace(path)
+
+
+def machine_info() -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cpu_count": len(os.sched_getaffinity(0)),
+    }
+    for package in ("triton", "transformers", "peft", "safetensors", "tokenizers"):
+        try:
+            info[package] = version(package)
+        except PackageNotFoundError:
+            info[package] = None
+    info["gpu"] = None
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        info["gpu"] = props.name
+        info["gpu_memory_gib"] = round(props.total_memory / 2**30, 1)
+        info["sms"] = props.multi_processor_count
+    return info
+
+
+# ---------------------------------------------------------------------------- steps
 
 
 @dataclass(slots=True)
@@ -61,6 +125,10 @@ class Context:
     start: float = field(default_factory=time.perf_counter)
     _bench: BenchModel | None = None
     _bench_error: Exception | None = None
+
+    @property
+    def on_cuda(self) -> bool:
+        return self.device.type == "cuda"
 
     def bench_model(self) -> BenchModel:
         """The throughput model, built by the first step that needs it and kept."""
@@ -87,21 +155,6 @@ class Context:
             torch.cuda.empty_cache()
 
 
-# ---------------------------------------------------------------------------- steps
-
-
-def _kernel_groups(plan: Plan) -> tuple[LoRAGroupShape, ...]:
-    from bench.gpu.kernel_checks import llama_groups
-
-    return llama_groups(*plan.kernel_dims)
-
-
-def _batches(specs: tuple[tuple[str, int, int, str], ...]) -> tuple[BatchSpec, ...]:
-    from bench.gpu.kernel_checks import BatchSpec
-
-    return tuple(BatchSpec(*spec) for spec in specs)
-
-
 def step_gpu_tests(ctx: Context) -> StepOutcome:
     """pytest -m gpu tests/gpu in a child process, on the plan's shapes (compiled where
     CUDA is): the Triton kernel tests, the kernels at serving shapes, the engine against
@@ -121,13 +174,13 @@ def step_gpu_tests(ctx: Context) -> StepOutcome:
     lines = [line for line in proc.stdout.splitlines() if line.strip()]
     tests = _junit_tests(junit) if junit.exists() else {}
     outcomes = [t["outcome"] for t in tests.values()]
-    passed = outcomes.count("passed")
+    passed, skipped = outcomes.count("passed"), outcomes.count("skipped")
     results = {
         "select": ctx.plan.test_select or "all",
-        "compiled": ctx.device.type == "cuda",
+        "compiled": ctx.on_cuda,
         "passed": passed,
-        "failed": len(outcomes) - outcomes.count("passed") - outcomes.count("skipped"),
-        "skipped": outcomes.count("skipped"),
+        "failed": len(outcomes) - passed - skipped,
+        "skipped": skipped,
         "summary": lines[-1] if lines else proc.stderr.strip()[-200:],
         "tests": tests,
     }
@@ -164,42 +217,22 @@ def _number(text: str) -> Any:
 
 
 def step_kernel_bandwidth(ctx: Context) -> StepOutcome:
-    from bench.gpu.kernel_checks import BANDWIDTH_AIM, as_rows, measure_bandwidth
+    from bench.gpu.kernel_checks import measure_bandwidth
 
-    plan = ctx.plan
-    copy_bps, cases = measure_bandwidth(
-        _kernel_groups(plan),
-        _batches(plan.bandwidth_batches),
-        torch.bfloat16,
-        ctx.device,
-        plan.copy_bytes,
-        plan.timing_warmup,
-        plan.timing_iters,
-    )
-    on_cuda = ctx.device.type == "cuda"
-    results = {
-        "timer": "cuda events" if on_cuda else "wall clock (interpreter: not a bandwidth)",
-        "copy_bytes_per_s": copy_bps,
-        "aim_fraction": BANDWIDTH_AIM,
-        "best_fraction": {
-            op: max(c.fraction_of_copy for c in cases if c.op == op) for op in ("shrink", "expand")
-        },
-        "cases": as_rows(cases),
-    }
-    return StepOutcome(results, not_applicable=not on_cuda)
+    return StepOutcome(measure_bandwidth(ctx.plan, ctx.device), not_applicable=not ctx.on_cuda)
 
 
 def step_engine_throughput(ctx: Context) -> StepOutcome:
     from bench.gpu.engine_throughput import check_throughput
 
-    return check_throughput(ctx.plan.throughput, ctx.bench_model())
+    return StepOutcome(check_throughput(ctx.plan.throughput, ctx.bench_model()))
 
 
 def step_decode_cuda_graphs(ctx: Context) -> StepOutcome:
     from bench.gpu.engine_throughput import check_decode_steps
 
-    on_cuda = ctx.device.type == "cuda"
-    return check_decode_steps(ctx.plan.throughput, ctx.bench_model(), on_cuda)
+    results = check_decode_steps(ctx.plan.throughput, ctx.bench_model())
+    return StepOutcome(results, not_applicable=not ctx.on_cuda)
 
 
 # The steps that time the Triton kernels (compiled on a GPU, interpreted on the CPU);
@@ -260,11 +293,11 @@ def run_check(
     report.write(out_dir)
     with tempfile.TemporaryDirectory(prefix="loraplex-gpu-check-") as tmp:
         # The 8B checkpoint (16 GB) goes to /dev/shm when it fits.
-        work = Path(tmp) if plan.dry_run else models.scratch_dir(20 * 2**30, Path(tmp))
+        work = Path(tmp) if plan.dry_run else scratch_dir(20 * 2**30, Path(tmp))
         work.mkdir(parents=True, exist_ok=True)
         ctx = Context(plan, device, work)
         # On the CPU triton's interpreter runs the kernels; without triton they cannot run.
-        no_kernels = device.type != "cuda" and not has_triton()
+        no_kernels = not ctx.on_cuda and not has_triton()
         try:
             for step, (_, fn) in zip(steps, STEPS, strict=True):
                 if selected is not None and step.name not in selected:
@@ -309,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
         plan, device = GPU_PLAN, torch.device("cuda")
     report = run_check(plan, args.out, device, selected)
     print("\n" + "\n".join(f"{s.name:24} {s.status:22} {s.seconds} s" for s in report.steps))
-    print(f"report: {args.out / 'gpu-check.json'} ({report.total_s} s)", flush=True)
+    print(f"report: {args.out / REPORT_NAME} ({report.total_s} s)", flush=True)
     passed = (OK, NOT_APPLICABLE_CPU, NOT_APPLICABLE_NO_TRITON, NOT_SELECTED)
     return 0 if all(s.status in passed for s in report.steps) else 1
 

@@ -1,36 +1,142 @@
-"""In-process throughput on one random model: the engine against HF static batches,
-multi-LoRA against PEFT's mixed batches (`adapter_names`), LoRA overhead per step, and
-decode step time."""
+"""An in-process `EngineCore` driven on token-id requests (tests/gpu/test_engine_identity.py
+checks it against Hugging Face), and the GPU check's throughput steps on one random model:
+the engine against HF static batches, multi-LoRA against PEFT's mixed batches
+(`adapter_names`), LoRA overhead per step, and decode step time."""
 
 from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from bench.gpu.engine_runs import (
-    EngineRun,
-    close_core,
-    engine_requests,
-    load_peft,
-    make_core,
-    run_engine,
-)
 from bench.gpu.models import build_random_model
-from bench.gpu.plans import ThroughputPlan
-from bench.gpu.report import StepOutcome
 from bench.harness.adapters import ATTENTION, write_random_adapter
 from bench.harness.workload import BenchRequest, make_requests
-from bench.hf_baseline import HFResult, run_static_batches
+from bench.hf_baseline import HFResult, load_peft, run_static_batches
+from engine.config import EngineConfig
 from engine.core.engine_core import EngineCore
 from engine.models.loader import load_model_config
+from engine.request import EngineRequest, SamplingParams
+
+if TYPE_CHECKING:
+    from bench.gpu.models import ThroughputPlan
+
+
+def make_core(
+    model_dir: Path,
+    device: torch.device,
+    dtype: torch.dtype,
+    *,
+    max_num_seqs: int,
+    max_loras: int,
+    max_lora_rank: int,
+    kv_cache_tokens: int | None,
+    data_dir: Path,
+) -> EngineCore:
+    """kv_cache_tokens None: the engine sizes its cache from the device (on CUDA a share of
+    the memory free after loading the weights, see engine/core/model_runner.py)."""
+    return EngineCore(
+        EngineConfig(
+            model=str(model_dir),
+            device=str(device),
+            dtype=_dtype_name(dtype),
+            max_num_seqs=max_num_seqs,
+            kv_cache_tokens=kv_cache_tokens,
+            max_loras=max_loras,
+            max_cpu_loras=max(max_loras, 1),
+            max_lora_rank=max_lora_rank,
+            data_dir=data_dir,
+        )
+    )
+
+
+def close_core(core: EngineCore) -> None:
+    """Stop the engine's adapter loader, which would otherwise keep it (and its KV cache)
+    alive after the caller drops it."""
+    if core.adapter_cache is not None:
+        core.adapter_cache.close()
+
+
+@dataclass(slots=True)
+class EngineRun:
+    """Requests run to completion: their output tokens, wall time and steps."""
+
+    tokens: dict[str, list[int]]
+    wall_s: float
+    num_steps: int
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(len(t) for t in self.tokens.values())
+
+    @property
+    def output_tokens_per_s(self) -> float:
+        return self.output_tokens / self.wall_s
+
+    @property
+    def mean_step_s(self) -> float:
+        return self.wall_s / max(self.num_steps, 1)
+
+    def summary(self) -> dict[str, float | int]:
+        return {
+            "requests": len(self.tokens),
+            "output_tokens": self.output_tokens,
+            "wall_s": round(self.wall_s, 3),
+            "steps": self.num_steps,
+            "mean_step_ms": round(self.mean_step_s * 1000, 3),
+            "output_tokens_per_s": round(self.output_tokens_per_s, 1),
+        }
+
+
+def engine_requests(
+    requests: Sequence[BenchRequest], tag: str, *, ignore_eos: bool
+) -> list[EngineRequest]:
+    """Greedy engine requests; the tag is each one's prefix-cache salt, so that runs of
+    the same prompts never reuse each other's KV."""
+    return [
+        EngineRequest(
+            request_id=f"{tag}-{i}",
+            prompt_token_ids=tuple(r.prompt_token_ids),
+            sampling=SamplingParams(max_tokens=r.max_tokens, temperature=0, ignore_eos=ignore_eos),
+            adapter=r.model,
+            salt=tag,
+        )
+        for i, r in enumerate(requests)
+    ]
+
+
+def run_engine(core: EngineCore, requests: list[EngineRequest]) -> EngineRun:
+    """All requests added at once, stepped until every one has finished."""
+    tokens: dict[str, list[int]] = {r.request_id: [] for r in requests}
+    start = time.perf_counter()
+    for request in requests:
+        core.add_request(request)
+    steps = 0
+    while core.has_unfinished_requests():
+        result = core.step()
+        for out in result.outputs:
+            tokens[out.request_id].extend(out.new_token_ids)
+        steps += 1
+        if result.failures:
+            request_id, exc = next(iter(result.failures.items()))
+            raise RuntimeError(f"engine request {request_id} failed: {exc}") from exc
+    return EngineRun(tokens, time.perf_counter() - start, steps)
+
+
+# ---------------------------------------------------------------------------- throughput
 
 
 def _gib(num_bytes: float) -> float:
     return round(num_bytes / 2**30, 2)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 class BenchModel:
@@ -80,7 +186,7 @@ class BenchModel:
         self.kv = {
             "setting": (
                 "kv_cache_tokens unset: the cache takes what a profiled largest step leaves "
-                f"of gpu_memory_utilization={self.core.runner.config.gpu_memory_utilization} "
+                f"of gpu_memory_utilization={runner.config.gpu_memory_utilization} "
                 "of the device's total memory (CPU: a fixed cap)"
             ),
             "num_blocks": runner.num_blocks,
@@ -115,18 +221,14 @@ def _workload(
     prompt_len: tuple[int, int],
     output_len: tuple[int, int],
     seed: int,
-    models: list[str | None] | None = None,
+    models: Sequence[str | None] = (None,),
 ) -> list[BenchRequest]:
-    """Random prompts (bench/harness/workload.py); `models`: each request's adapter
-    (None: base)."""
+    """Random prompts (bench/harness/workload.py), request i on models[i % len(models)]
+    (None: the base model)."""
     reqs = make_requests(
         n, vocab_size=vocab, prompt_len=prompt_len, output_len=output_len, seed=seed
     )
-    if models is None:
-        return reqs
-    return [
-        BenchRequest(r.prompt_token_ids, r.max_tokens, m) for r, m in zip(reqs, models, strict=True)
-    ]
+    return [replace(r, model=models[i % len(models)]) for i, r in enumerate(reqs)]
 
 
 def _pair(engine: EngineRun, baseline: HFResult) -> dict[str, Any]:
@@ -137,25 +239,21 @@ def _pair(engine: EngineRun, baseline: HFResult) -> dict[str, Any]:
     }
 
 
-def check_throughput(plan: ThroughputPlan, bench: BenchModel) -> StepOutcome:
+def check_throughput(plan: ThroughputPlan, bench: BenchModel) -> dict[str, Any]:
     core, vocab = bench.core, plan.shape.vocab_size
     names = list(bench.adapters)
     results: dict[str, Any] = {
         "model": plan.shape.name,
         "num_params": plan.shape.num_params,
-        "dtype": plan.dtype,
+        "dtype": _dtype_name(plan.dtype),
         "kv_cache": bench.kv,
     }
-    problems: list[str] = []
 
     # Warm-up: prefill segments of every row-block size, decodes, base rows, and every
     # adapter once, so that the timed runs find all of them in their device slots.
-    warm_models = [None, *names]
-    warm = _workload(
-        8, vocab, (20, 100), (4, 4), 99, [warm_models[i % len(warm_models)] for i in range(8)]
-    )
+    warm = _workload(8, vocab, (20, 100), (4, 4), 99, [None, *names])
     run_engine(core, engine_requests(warm, "warm", ignore_eos=True))
-    every_adapter = _workload(len(names), vocab, (8, 8), (2, 2), 98, list(names))
+    every_adapter = _workload(len(names), vocab, (8, 8), (2, 2), 98, names)
     run_engine(core, engine_requests(every_adapter, "warm-adapters", ignore_eos=True))
     run_static_batches(bench.hf, warm[:2], 2)
 
@@ -171,8 +269,8 @@ def check_throughput(plan: ThroughputPlan, bench: BenchModel) -> StepOutcome:
 
     # LoRA overhead: the first base workload again, every row on a rank-r adapter.
     c0 = plan.concurrency[0]
-    overhead_models: list[str | None] = [names[i % plan.overhead_adapters] for i in range(c0)]
-    reqs = _workload(c0, vocab, plan.prompt_len, plan.output_len, c0, overhead_models)
+    overhead = names[: plan.overhead_adapters]
+    reqs = _workload(c0, vocab, plan.prompt_len, plan.output_len, c0, overhead)
     lora_run = run_engine(core, engine_requests(reqs, f"overhead{c0}", ignore_eos=True))
     ratio = lora_run.mean_step_s / base_runs[c0].mean_step_s
     results["lora_overhead"] = {
@@ -189,9 +287,9 @@ def check_throughput(plan: ThroughputPlan, bench: BenchModel) -> StepOutcome:
     run_static_batches(peft, [BenchRequest(warm[1].prompt_token_ids, 2, names[0])], 1, peft=True)
     multi: dict[str, Any] = {}
     for n in plan.adapter_counts:
-        models: list[str | None] = [names[i % n] for i in range(plan.lora_requests)]
         reqs = _workload(
-            plan.lora_requests, vocab, plan.lora_prompt_len, plan.lora_output_len, 1000 + n, models
+            plan.lora_requests, vocab, plan.lora_prompt_len, plan.lora_output_len, 1000 + n,
+            names[:n],
         )
         run = run_engine(core, engine_requests(reqs, f"lora{n}", ignore_eos=True))
         peft_run = run_static_batches(peft, reqs, plan.hf_batch_size, peft=True)
@@ -199,10 +297,10 @@ def check_throughput(plan: ThroughputPlan, bench: BenchModel) -> StepOutcome:
         print(f"multi-lora x{n}: {multi[str(n)]}", flush=True)
     results["engine_vs_peft_adapter_names"] = multi
     results["setup_s"] = {k: round(v, 2) for k, v in bench.timings.items()}
-    return StepOutcome(results, problems)
+    return results
 
 
-def check_decode_steps(plan: ThroughputPlan, bench: BenchModel, on_cuda: bool) -> StepOutcome:
+def check_decode_steps(plan: ThroughputPlan, bench: BenchModel) -> dict[str, Any]:
     """Decode-only step time at each batch size. The engine has no CUDA graph capture,
     so only eager steps are timed."""
     core, vocab = bench.core, plan.shape.vocab_size
@@ -234,7 +332,4 @@ def check_decode_steps(plan: ThroughputPlan, bench: BenchModel, on_cuda: bool) -
             "eager_step_ms_min": round(min(times) * 1000, 3),
             "cuda_graphs_step_ms": None,
         }
-    return StepOutcome(
-        {"cuda_graphs": "not implemented", "decode": rows, "model": plan.shape.name},
-        not_applicable=not on_cuda,
-    )
+    return {"cuda_graphs": "not implemented", "decode": rows, "model": plan.shape.name}

@@ -7,13 +7,16 @@ import functools
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from bench.kernels import LoRAGroupShape, LoRAProblem, cuda_time_us
 from loraplex_kernels.reference import LoRASegments
+
+if TYPE_CHECKING:
+    from bench.gpu.models import Plan
 
 RANK_POOL = (8, 16, 32, 64)  # a slot's slice k takes RANK_POOL[(slot + k) % 4]
 MAX_RANK = 64
@@ -39,10 +42,6 @@ class BatchSpec:
     num_requests: int
     rows_per_request: int
     popularity: str  # "distinct" | "skewed"
-
-    @property
-    def num_tokens(self) -> int:
-        return self.num_requests * self.rows_per_request
 
 
 def make_mixed_problem(
@@ -108,18 +107,6 @@ def expand(p: LoRAProblem) -> None:
 # ---------------------------------------------------------------------------- bandwidth
 
 
-@dataclass(slots=True)
-class BandwidthCase:
-    group: str
-    batch: str
-    op: str
-    bytes_moved: int  # the least the op must read and write (see _min_bytes)
-    seconds: float
-    bytes_per_s: float
-    fraction_of_copy: float
-    meets_aim: bool
-
-
 def time_op(fn: Callable[[], object], warmup: int, iters: int, on_cuda: bool) -> float:
     """Median seconds per call: CUDA events on a GPU, a wall clock on the CPU."""
     if on_cuda:
@@ -166,44 +153,39 @@ def _min_bytes(p: LoRAProblem, op: str) -> int:
     return total
 
 
-def measure_bandwidth(
-    groups: tuple[LoRAGroupShape, ...],
-    batches: tuple[BatchSpec, ...],
-    dtype: torch.dtype,
-    device: torch.device,
-    copy_bytes: int,
-    warmup: int,
-    iters: int,
-) -> tuple[float, list[BandwidthCase]]:
+def measure_bandwidth(plan: Plan, device: torch.device) -> dict[str, Any]:
+    """The kernel_bandwidth step: shrink and expand in bfloat16 over the plan's bandwidth
+    batches, each case's bytes/s as a share of a device-to-device copy's."""
     on_cuda = device.type == "cuda"
-    copy_bps = copy_bandwidth(copy_bytes, device, warmup, iters)
-    cases: list[BandwidthCase] = []
-    for gi, group in enumerate(groups):
-        for bi, spec in enumerate(batches):
-            p = make_mixed_problem(group, spec, dtype, device, seed=7 + 100 * gi + bi)
-            y = p.y.clone()
-            # Expand adds into y in place; timing it over and over only grows y.
-            ops: dict[str, Callable[[LoRAProblem], object]] = {"shrink": shrink, "expand": expand}
+    warmup, iters = plan.timing_warmup, plan.timing_iters
+    copy_bps = copy_bandwidth(plan.copy_bytes, device, warmup, iters)
+    ops: dict[str, Callable[[LoRAProblem], object]] = {"shrink": shrink, "expand": expand}
+    cases: list[dict[str, Any]] = []
+    for gi, group in enumerate(llama_groups(*plan.kernel_dims)):
+        for bi, spec in enumerate(BatchSpec(*batch) for batch in plan.bandwidth_batches):
+            p = make_mixed_problem(group, spec, torch.bfloat16, device, seed=7 + 100 * gi + bi)
+            # Expand adds into y in place: timed over and over, y only grows.
             for op, fn in ops.items():
                 seconds = time_op(functools.partial(fn, p), warmup, iters, on_cuda)
                 moved = _min_bytes(p, op)
                 bps = moved / seconds
-                cases.append(
-                    BandwidthCase(
-                        group=group.name,
-                        batch=spec.name,
-                        op=op,
-                        bytes_moved=moved,
-                        seconds=seconds,
-                        bytes_per_s=bps,
-                        fraction_of_copy=round(bps / copy_bps, 4),
-                        meets_aim=bps / copy_bps >= BANDWIDTH_AIM,
-                    )
-                )
-            p.y = y
+                cases.append({
+                    "group": group.name,
+                    "batch": spec.name,
+                    "op": op,
+                    "bytes_moved": moved,  # the least the op must read and write
+                    "seconds": seconds,
+                    "bytes_per_s": bps,
+                    "fraction_of_copy": round(bps / copy_bps, 4),
+                    "meets_aim": bps / copy_bps >= BANDWIDTH_AIM,
+                })
             del p
-    return copy_bps, cases
-
-
-def as_rows(cases: list[Any]) -> list[dict[str, Any]]:
-    return [asdict(c) for c in cases]
+    return {
+        "timer": "cuda events" if on_cuda else "wall clock (interpreter: not a bandwidth)",
+        "copy_bytes_per_s": copy_bps,
+        "aim_fraction": BANDWIDTH_AIM,
+        "best_fraction": {
+            op: max(c["fraction_of_copy"] for c in cases if c["op"] == op) for op in ops
+        },
+        "cases": cases,
+    }

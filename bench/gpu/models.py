@@ -1,4 +1,5 @@
-"""Random-weight model directories for the GPU check, written offline.
+"""The GPU check's plans (what each mode runs) and its random-weight model directories,
+written offline.
 
 No weights travel to the device machine, so every model is built from a Hugging Face
 config with seeded random weights (on the GPU when there is one), saved as safetensors,
@@ -9,7 +10,7 @@ prompts are token ids, so any tokenizer that covers the vocabulary will do.
 from __future__ import annotations
 
 import shutil
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +37,6 @@ class ModelShape:
     rope_scaling: dict[str, Any] | None = None
     # Wide weights keep greedy picks far from ties (as tests/utils/tiny_models.py does).
     initializer_range: float = 0.2
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def num_params(self) -> int:
@@ -49,25 +49,11 @@ class ModelShape:
     def hf_config(self) -> Any:
         from transformers import LlamaConfig
 
-        settings: dict[str, Any] = {
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_hidden_layers,
-            "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_key_value_heads,
-            "max_position_embeddings": self.max_position_embeddings,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "rope_theta": self.rope_theta,
-            "initializer_range": self.initializer_range,
-            "rms_norm_eps": 1e-5,
-            "bos_token_id": BOS_TOKEN_ID,
-            "eos_token_id": EOS_TOKEN_ID,
-            **self.extra,
-        }
-        if self.rope_scaling is not None:
-            settings["rope_scaling"] = dict(self.rope_scaling)
-        return LlamaConfig(**settings)
+        settings = asdict(self)  # rope_scaling copied: HF may change the dict it is given
+        del settings["name"]
+        return LlamaConfig(
+            **settings, rms_norm_eps=1e-5, bos_token_id=BOS_TOKEN_ID, eos_token_id=EOS_TOKEN_ID
+        )
 
 
 LLAMA3_ROPE = {
@@ -191,3 +177,109 @@ def scratch_dir(needed_bytes: int, fallback: Path) -> Path:
         return work if shutil.disk_usage(shm).free > 2 * needed_bytes else fallback
     except OSError:
         return fallback
+
+
+# ---------------------------------------------------------------------------- plans
+# What each mode runs. The defaults are the GPU plan's, planned to fit one H200 in 8
+# minutes (not measured there yet; budget_s and run.sh's limit bound the run); the dry
+# run's sizes run the same code on two CPU cores in well under a minute.
+
+Batch = tuple[str, int, int, str]  # kernel_checks.BatchSpec's fields
+
+
+@dataclass(frozen=True, slots=True)
+class IdentityPlan:
+    shape: ModelShape = SMOLLM2_135M
+    num_prompts: int = 10
+    prompt_len: tuple[int, int] = (16, 300)
+    new_tokens: int = 32
+    adapter_ranks: tuple[int, ...] = (8, 16, 32, 64)  # one adapter each, targets alternating
+    kv_cache_tokens: int = 65536
+
+
+@dataclass(frozen=True, slots=True)
+class ThroughputPlan:
+    shape: ModelShape = LLAMA3_8B
+    dtype: torch.dtype = torch.bfloat16
+    concurrency: tuple[int, ...] = (64, 256)  # engine runs of this many sequences at once
+    prompt_len: tuple[int, int] = (128, 512)
+    output_len: tuple[int, int] = (64, 128)
+    hf_batch_size: int = 64  # HF / PEFT static batches of at most this many requests
+    adapter_counts: tuple[int, ...] = (16, 64)  # multi-LoRA runs over this many adapters
+    lora_requests: int = 64
+    lora_prompt_len: tuple[int, int] = (64, 256)
+    lora_output_len: tuple[int, int] = (16, 32)
+    lora_rank: int = 16
+    overhead_adapters: int = 16  # the LoRA-overhead run: rows round robin over this many
+    decode_batch_sizes: tuple[int, ...] = (64, 256)
+    decode_prompt_len: int = 64
+    decode_timed_steps: int = 16
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    dry_run: bool = False
+    test_select: str | None = None  # pytest -k for tests/gpu; None: all of them
+    tests_timeout_s: float = 240.0
+    # hidden, intermediate, q size, kv size: Llama-3-8B's
+    kernel_dims: tuple[int, int, int, int] = (4096, 14336, 4096, 1024)
+    accuracy_batches: tuple[Batch, ...] = (
+        ("decode-256-distinct", 256, 1, "distinct"),
+        ("decode-256-skewed", 256, 1, "skewed"),
+        ("prefill-16x128-skewed", 16, 128, "skewed"),
+    )
+    bandwidth_batches: tuple[Batch, ...] = (
+        ("decode-256-distinct", 256, 1, "distinct"),
+        ("decode-64-distinct", 64, 1, "distinct"),
+    )
+    copy_bytes: int = 2 * 2**30
+    timing_warmup: int = 5
+    timing_iters: int = 20
+    identity: IdentityPlan = IdentityPlan()
+    throughput: ThroughputPlan = ThroughputPlan()
+    budget_s: float = 420.0  # a step is not started past this many seconds from the start
+
+
+GPU_PLAN = Plan()
+DRY_RUN_PLAN = Plan(
+    dry_run=True,
+    # Two of the Triton kernel tests (all of them take ~10-20 s in the interpreter here),
+    # the kernels at the plan's shapes and the engine against HF.
+    test_select=("strided_activation_views or slot_without_any_adapted_slice "
+                 "or serving_shapes or engine_matches_hf"),
+    tests_timeout_s=180.0,
+    kernel_dims=(32, 48, 32, 16),
+    accuracy_batches=(
+        ("decode-4-distinct", 4, 1, "distinct"),
+        ("prefill-2x20-skewed", 2, 20, "skewed"),
+    ),
+    bandwidth_batches=(("decode-4-distinct", 4, 1, "distinct"),),
+    copy_bytes=4 * 2**20,
+    timing_warmup=1,
+    timing_iters=2,
+    identity=IdentityPlan(
+        shape=TINY_SMOLLM2,
+        num_prompts=3,
+        prompt_len=(4, 12),
+        new_tokens=4,
+        adapter_ranks=(8, 16),
+        kv_cache_tokens=1024,
+    ),
+    throughput=ThroughputPlan(
+        shape=TINY_LLAMA3,
+        dtype=torch.float32,
+        concurrency=(4, 8),
+        prompt_len=(8, 24),
+        output_len=(4, 8),
+        hf_batch_size=4,
+        adapter_counts=(2, 4),
+        lora_requests=4,
+        lora_prompt_len=(8, 16),
+        lora_output_len=(3, 5),
+        overhead_adapters=2,
+        decode_batch_sizes=(4,),
+        decode_prompt_len=8,
+        decode_timed_steps=3,
+    ),
+    budget_s=300.0,
+)

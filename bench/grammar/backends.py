@@ -1,83 +1,38 @@
 """The two grammar libraries `loraplex bench grammar` compares, behind one small interface.
 
-Each backend compiles a case into a reusable grammar, makes matchers (one per request) from
-it, fills rows of a [B, ceil(V/32)] int32 bitmask, advances matchers by one token, rolls them
-back, and reports the tokens the grammar forces next. A compile error surfaces as
+Each backend compiles a case into a reusable grammar (from the cache, the library's or ours,
+when the case was compiled before; `clear_cache` forgets every compile), makes matchers (one
+per request) from it, fills rows 0..len(matchers)-1 of a [B, ceil(V/32)] int32 bitmask (`fill`
+through the library's batch call, `fill_serial` one matcher at a time from Python), advances
+matchers by one token, rolls them back, reports how many whole tokens the grammar forces next
+(`forced_tokens`: jump-forward decoding), and masks logits with the library's own helper
+(`apply_bitmask`: masked-out logits become -inf, in place). A compile error surfaces as
 `GrammarError` with the library's own message.
 """
 
 from __future__ import annotations
 
-import importlib.metadata
 import os
 import time
-from abc import ABC, abstractmethod
-from typing import Any
+from typing import Any, TypeAlias
 
 import torch
 from torch import Tensor
 
-from bench.grammar.cases import GrammarCase
+from bench.grammar.cases import GrammarCase, HostileCase
 
 
 class GrammarError(Exception):
     """The library refused a grammar; the message is the library's."""
 
 
-def library_requires(distribution: str) -> list[str]:
-    """The distribution's declared runtime dependencies (extras left out)."""
-    requires = importlib.metadata.requires(distribution) or []
-    return [r for r in requires if "extra ==" not in r]
+def ms_since(start: float) -> float:
+    """Milliseconds from `start` (time.perf_counter()) to now."""
+    return (time.perf_counter() - start) * 1e3
 
 
-class GrammarBackend(ABC):
-    name: str
-    distribution: str
-    vocab_size: int
-    tokenizer_info_ms: float  # building the library's tokenizer info, imports excluded
-
-    @property
-    def version(self) -> str:
-        return importlib.metadata.version(self.distribution)
-
-    @abstractmethod
-    def compile(self, case: GrammarCase) -> Any:
-        """The compiled grammar, from the cache (the library's or ours) when this case was
-        compiled before."""
-
-    @abstractmethod
-    def clear_cache(self) -> None:
-        """Forget every compile, so the next one starts from scratch."""
-
-    @abstractmethod
-    def new_matcher(self, compiled: Any) -> Any: ...
-
-    @abstractmethod
-    def fill(self, matchers: list[Any], bitmask: Tensor) -> None:
-        """Rows 0..len(matchers)-1 of the bitmask, through the library's batch call."""
-
-    @abstractmethod
-    def fill_serial(self, matchers: list[Any], bitmask: Tensor) -> None:
-        """The same, one matcher at a time from Python."""
-
-    @abstractmethod
-    def accept(self, matchers: list[Any], tokens: list[int]) -> list[bool]: ...
-
-    @abstractmethod
-    def rollback(self, matchers: list[Any], num_tokens: int) -> None: ...
-
-    @abstractmethod
-    def forced_tokens(self, matcher: Any) -> int:
-        """How many whole tokens the grammar forces next (jump-forward decoding)."""
-
-    @abstractmethod
-    def apply_bitmask(self, logits: Tensor, bitmask: Tensor) -> None:
-        """The library's own helper: masked-out logits become -inf, in place."""
-
-
-class XGrammarBackend(GrammarBackend):
+class XGrammarBackend:
     name = "xgrammar"
-    distribution = "xgrammar"
 
     def __init__(self, hf_tokenizer: Any, vocab_size: int) -> None:
         import xgrammar as xgr
@@ -87,31 +42,25 @@ class XGrammarBackend(GrammarBackend):
         start = time.perf_counter()
         self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(hf_tokenizer,
                                                                   vocab_size=vocab_size)
-        self.tokenizer_info_ms = (time.perf_counter() - start) * 1e3
+        self.tokenizer_info_ms = ms_since(start)  # imports excluded
         self._num_threads = os.cpu_count() or 1
-        self._compiler = self._new_compiler()
+        self.clear_cache()
         self._batch = xgr.BatchGrammarMatcher(max_threads=self._num_threads)
-
-    def _new_compiler(self) -> Any:
-        return self._xgr.GrammarCompiler(self.tokenizer_info, max_threads=self._num_threads)
 
     def clear_cache(self) -> None:
         # NOTE: a fresh compiler, not GrammarCompiler.clear_cache(): that drops every cache
         # level, so a cold figure is what a never-seen schema costs.
-        self._compiler = self._new_compiler()
+        self._compiler = self._xgr.GrammarCompiler(self.tokenizer_info,
+                                                   max_threads=self._num_threads)
 
-    def compile(self, case: GrammarCase) -> Any:
+    def compile(self, case: GrammarCase | HostileCase) -> Any:
         try:
             if case.kind == "regex":
-                assert case.regex is not None
-                return self._compiler.compile_regex(case.regex)
-            if case.kind == "json_object":
-                return self._compiler.compile_json_schema('{"type": "object"}',
-                                                          strict_mode=False)
+                return self._compiler.compile_regex(case.spec)
             # strict_mode=False: the schemas say additionalProperties themselves, as
             # llguidance reads them; strict mode would also forbid unlisted keys (and make
             # {"type": "object"} the empty object only).
-            return self._compiler.compile_json_schema(case.schema_json, strict_mode=False)
+            return self._compiler.compile_json_schema(case.spec, strict_mode=False)
         except RuntimeError as e:
             raise GrammarError(str(e).strip()) from e
 
@@ -138,12 +87,11 @@ class XGrammarBackend(GrammarBackend):
         self._xgr.apply_token_bitmask_inplace(logits, bitmask)
 
 
-class LLGuidanceBackend(GrammarBackend):
+class LLGuidanceBackend:
     """llguidance has no compile cache: "cached" is ours, a template matcher per case that
     each request deep-copies (the copy shares the built lexer and parser tables)."""
 
     name = "llguidance"
-    distribution = "llguidance"
 
     def __init__(self, hf_tokenizer: Any, vocab_size: int) -> None:
         import llguidance
@@ -158,27 +106,21 @@ class LLGuidanceBackend(GrammarBackend):
         self._llg_numpy = llguidance.numpy
         start = time.perf_counter()
         self.tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size)
-        self.tokenizer_info_ms = (time.perf_counter() - start) * 1e3
+        self.tokenizer_info_ms = ms_since(start)  # imports excluded
         self._executor = llguidance.LLExecutor(num_threads=os.cpu_count() or 1)
-        self._templates: dict[str, Any] = {}
-
-    def grammar(self, case: GrammarCase) -> str:
-        matcher = self._llg.LLMatcher
-        if case.kind == "regex":
-            assert case.regex is not None
-            return matcher.grammar_from_regex(case.regex)
-        if case.kind == "json_object":
-            return matcher.grammar_from_json_schema({"type": "object"})
-        return matcher.grammar_from_json_schema(case.schema_json)
+        self._templates: dict[tuple[str, str], Any] = {}
 
     def clear_cache(self) -> None:
         self._templates.clear()
 
-    def compile(self, case: GrammarCase) -> Any:
-        key = f"{case.kind}:{case.regex if case.kind == 'regex' else case.schema_json}"
+    def compile(self, case: GrammarCase | HostileCase) -> Any:
+        key = (case.kind, case.spec)
         if key in self._templates:
             return self._templates[key]
-        template = self._llg.LLMatcher(self.tokenizer, self.grammar(case), log_level=0)
+        matcher = self._llg.LLMatcher
+        grammar = matcher.grammar_from_regex(case.spec) if case.kind == "regex" \
+            else matcher.grammar_from_json_schema(case.spec)
+        template = matcher(self.tokenizer, grammar, log_level=0)
         if template.is_error():
             raise GrammarError(template.get_error())
         self._templates[key] = template
@@ -208,6 +150,9 @@ class LLGuidanceBackend(GrammarBackend):
 
     def apply_bitmask(self, logits: Tensor, bitmask: Tensor) -> None:
         self._llg_numpy.apply_token_bitmask_inplace(logits.numpy(), bitmask.numpy())
+
+
+GrammarBackend: TypeAlias = XGrammarBackend | LLGuidanceBackend
 
 
 _BITS = torch.tensor([1 << i for i in range(31)] + [-(1 << 31)], dtype=torch.int32)  # [32]
@@ -241,12 +186,8 @@ class TorchBitmaskApply:
             torch.set_num_threads(threads)
 
 
-def is_allowed(bitmask: Tensor, row: int, token: int) -> bool:
-    return bool((int(bitmask[row, token >> 5]) >> (token & 31)) & 1)
-
-
 def make_backends(hf_tokenizer: Any, vocab_size: int,
                   names: tuple[str, ...]) -> list[GrammarBackend]:
-    kinds: dict[str, type[XGrammarBackend] | type[LLGuidanceBackend]] = {
-        "xgrammar": XGrammarBackend, "llguidance": LLGuidanceBackend}
+    kinds: dict[str, type[GrammarBackend]] = {"xgrammar": XGrammarBackend,
+                                              "llguidance": LLGuidanceBackend}
     return [kinds[name](hf_tokenizer, vocab_size) for name in names]

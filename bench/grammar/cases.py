@@ -29,14 +29,18 @@ DATE_PATTERN = r"[0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])"
 class GrammarCase:
     name: str
     kind: str  # "json_schema" | "json_object" | "regex"
-    schema: dict[str, Any] | None = None  # json_schema; None for the other kinds
+    schema: dict[str, Any] | None = None  # json_object: {"type": "object"}; regex: None
     regex: str | None = None  # regex only
     make_document: Callable[[random.Random], str] | None = None  # a valid document
-    schema_text: str | None = None  # the schema as JSON text, when too deep for `json`
 
     @property
     def schema_json(self) -> str:
-        return self.schema_text if self.schema_text is not None else json.dumps(self.schema)
+        return json.dumps(self.schema)
+
+    @property
+    def spec(self) -> str:
+        """What the libraries compile: the regex, or the schema as JSON text."""
+        return self.schema_json if self.regex is None else self.regex
 
     def check(self, text: str) -> str | None:
         """None when `text` is a valid document of this case, else why not."""
@@ -45,15 +49,14 @@ class GrammarCase:
             return None if re.fullmatch(self.regex, text) else "does not match the regex"
         try:
             value = json.loads(text)
-        except ValueError as e:
-            return f"not JSON: {e}"
-        if self.kind == "json_object":
-            return None if isinstance(value, dict) else f"not an object: {type(value).__name__}"
-        assert self.schema is not None
-        try:
-            jsonschema.validate(value, self.schema)
+            if self.kind == "json_schema":
+                jsonschema.validate(value, self.schema)
         except jsonschema.ValidationError as e:
             return f"invalid: {e.message}"
+        except ValueError as e:
+            return f"not JSON: {e}"
+        if self.kind == "json_object" and not isinstance(value, dict):
+            return f"not an object: {type(value).__name__}"
         return None
 
 
@@ -63,12 +66,8 @@ class GrammarCase:
 def _obj(properties: dict[str, Any]) -> dict[str, Any]:
     """An object schema in the form strict structured outputs use: every property required,
     no others allowed."""
-    return {
-        "type": "object",
-        "properties": properties,
-        "required": list(properties),
-        "additionalProperties": False,
-    }
+    return {"type": "object", "properties": properties, "required": list(properties),
+            "additionalProperties": False}
 
 
 def _string(max_length: int) -> dict[str, Any]:
@@ -190,11 +189,7 @@ def _tool_call_document(rng: random.Random) -> dict[str, Any]:
 
 def deep_schema(levels: int) -> dict[str, Any]:
     """Objects nested `levels` deep, each with a small integer and its child."""
-    schema = _obj({"level": {"type": "integer", "minimum": 0, "maximum": 100}})
-    for _ in range(levels - 1):
-        schema = _obj({"level": {"type": "integer", "minimum": 0, "maximum": 100},
-                       "child": schema})
-    return schema
+    return dict(json.loads(deep_schema_text(levels)))
 
 
 def deep_schema_text(levels: int) -> str:
@@ -231,7 +226,8 @@ CASES: tuple[GrammarCase, ...] = (
                 make_document=_dumps(_tool_call_document)),
     GrammarCase("deep-20", "json_schema", deep_schema(20),
                 make_document=_dumps(lambda rng: _deep_document(20, rng))),
-    GrammarCase("json-object", "json_object", make_document=_dumps(_any_object_document)),
+    GrammarCase("json-object", "json_object", {"type": "object"},
+                make_document=_dumps(_any_object_document)),
     GrammarCase("regex-iso-date", "regex", regex=DATE_PATTERN, make_document=_date),
     GrammarCase("regex-email", "regex", regex=EMAIL_PATTERN, make_document=_email),
 )

@@ -18,24 +18,28 @@ import random
 import statistics
 import threading
 import time
+from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
 
-from bench.grammar.backends import GrammarBackend, TorchBitmaskApply
+from bench.grammar.backends import GrammarBackend, TorchBitmaskApply, ms_since
 from bench.grammar.cases import GrammarCase
 from bench.harness.workload import percentile
+from engine.core.detokenizer import TokenTexts
 
 _FOLLOW_BONUS = 1e4
-_QUOTE_BONUS = 4.0
-_QUOTE_CLOSING_BONUS = 6.0
-_CLOSING_BONUS = 2.0
+# A deviated row's bonus of a token by (it holds `"`, it holds `}` or `]`): `"}` ends a
+# string and its object where allowed.
+_CLOSING_BONUS = {(True, True): 6.0, (True, False): 4.0, (False, True): 2.0, (False, False): 0.0}
 _EOS_BONUS = 8.0
 _WHITESPACE_PENALTY = -8.0
 _NOISE_POOL = 8
 _MAX_FAILURES = 5
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -108,8 +112,8 @@ class _Row:
     compiled: Any
     matcher: Any
     reference: list[int]  # a valid document's tokens, then EOS
-    generated: list[int]
-    deviated: bool
+    generated: list[int] = field(default_factory=list)
+    deviated: bool = False
 
 
 @dataclass(slots=True)
@@ -123,47 +127,22 @@ class DriveOptions:
     matmul_hidden: int = 576  # the overlap's [B, H] x [H, V]
 
 
-def token_bytes(hf_tokenizer: Any, vocab_size: int) -> list[bytes | None]:
-    """Each token's bytes (byte-level BPE); None for special tokens."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-                 *range(ord("®"), ord("ÿ") + 1)]
-    char_to_byte = {chr(b): b for b in printable}
-    extra = 0
-    for b in range(256):
-        if b not in printable:
-            char_to_byte[chr(256 + extra)] = b
-            extra += 1
-    special = set(hf_tokenizer.all_special_ids)
-    table: list[bytes | None] = []
-    for token_id, piece in enumerate(hf_tokenizer.convert_ids_to_tokens(list(range(vocab_size)))):
-        if token_id in special or piece is None or any(c not in char_to_byte for c in piece):
-            table.append(None)
-        else:
-            table.append(bytes(char_to_byte[c] for c in piece))
-    return table
-
-
 class Driver:
     def __init__(self, hf_tokenizer: Any, vocab_size: int, eos_token_id: int) -> None:
         self.hf_tokenizer = hf_tokenizer
         self.vocab_size = vocab_size
         self.eos = eos_token_id
-        self.token_bytes = token_bytes(hf_tokenizer, vocab_size)
+        texts, special = TokenTexts(hf_tokenizer), set(hf_tokenizer.all_special_ids)
+        # Each token's bytes; None for special tokens.
+        self.token_bytes = [None if t in special else texts.token_bytes(t)
+                            for t in range(vocab_size)]
         # NOTE: whitespace is legal between any two JSON tokens, so a deviated row without
         # the penalty can loop on it until max_doc_tokens.
         closing = torch.zeros(vocab_size)
         for token_id, piece in enumerate(self.token_bytes):
-            if piece is None:
-                continue
-            quote, close = b'"' in piece, b"}" in piece or b"]" in piece
-            if not piece.strip():
-                closing[token_id] = _WHITESPACE_PENALTY
-            elif quote and close:  # `"}`: ends a string and its object where allowed
-                closing[token_id] = _QUOTE_CLOSING_BONUS
-            elif quote:
-                closing[token_id] = _QUOTE_BONUS
-            elif close:
-                closing[token_id] = _CLOSING_BONUS
+            if piece is not None:
+                ends = (b'"' in piece, b"}" in piece or b"]" in piece)
+                closing[token_id] = _CLOSING_BONUS[ends] if piece.strip() else _WHITESPACE_PENALTY
         closing[eos_token_id] = _EOS_BONUS
         self.closing_bias = closing  # [V]
 
@@ -182,8 +161,7 @@ class Driver:
                  rng: random.Random) -> _Row:
         assert case.make_document is not None
         reference = self.hf_tokenizer.encode(case.make_document(rng), add_special_tokens=False)
-        return _Row(case, compiled, backend.new_matcher(compiled), [*reference, self.eos], [],
-                    False)
+        return _Row(case, compiled, backend.new_matcher(compiled), [*reference, self.eos])
 
     def run(self, backend: GrammarBackend, workload: str, cases: list[GrammarCase],
             options: DriveOptions, round_: int = 0) -> BatchRun:
@@ -204,9 +182,7 @@ class Driver:
         apply_torch = TorchBitmaskApply(batch, vocab)
         hidden = torch.randn((batch, options.matmul_hidden), generator=generator)  # [B, H]
         head = torch.randn((options.matmul_hidden, vocab), generator=generator)  # [H, V]
-        times: dict[str, list[float]] = {k: [] for k in (
-            "fill", "accept", "apply_torch", "apply_library", "fill_serial", "rollback",
-            "forced", "matmul_alone", "fill_in_thread", "matmul_overlapped", "wall")}
+        times: defaultdict[str, list[float]] = defaultdict(list)  # milliseconds
         empty = Stats.of([])
         run = BatchRun(backend.name, workload, round_, batch, options.num_steps,
                        fill=empty, accept=empty, apply_torch=empty, apply_library=empty)
@@ -219,17 +195,15 @@ class Driver:
             live = [i for i, row in enumerate(rows) if row is not None]
             open_rows = [row for row in rows if row is not None]
             matchers = [row.matcher for row in open_rows]
+            # Untimed (draining) steps time into a scratch dict.
+            log = times if timed else defaultdict(list)
             if timed:
-                start = time.perf_counter()
-                backend.fill(matchers, bitmask)
-                times["fill"].append(_ms(start))
+                _timed(times["fill"], backend.fill, matchers, bitmask)
             else:
                 # Draining: the loop, as the batch calls' thread pools stall on a busy machine.
                 backend.fill_serial(matchers, bitmask)
             if extras:
-                start = time.perf_counter()
-                backend.fill_serial(matchers, spare)
-                times["fill_serial"].append(_ms(start))
+                _timed(times["fill_serial"], backend.fill_serial, matchers, spare)
                 self._overlap(backend, matchers, spare, hidden, head, times)
 
             # A random roll of pooled noise: fresh enough that deviated rows do not cycle.
@@ -242,13 +216,9 @@ class Driver:
                                for i in following]] = _FOLLOW_BONUS
             by_library = logits.clone() if timed else None
             mask = bitmask[: len(open_rows)]
-            start = time.perf_counter()
-            apply_torch(logits, mask)
-            _record(times, "apply_torch", start, timed)
+            _timed(log["apply_torch"], apply_torch, logits, mask)
             if by_library is not None:
-                start = time.perf_counter()
-                backend.apply_bitmask(by_library, mask)
-                _record(times, "apply_library", start, timed)
+                _timed(times["apply_library"], backend.apply_bitmask, by_library, mask)
                 if not torch.equal(torch.isinf(logits), torch.isinf(by_library)):
                     run.num_apply_mismatch += 1
             tokens: list[int] = logits.argmax(dim=-1).tolist()
@@ -259,20 +229,18 @@ class Driver:
                     _note(run, f"{row.case.name}: mask refused reference token "
                                f"{row.reference[len(row.generated)]} at {len(row.generated)}")
                     row.deviated = True
-            start = time.perf_counter()
-            accepted = backend.accept(matchers, tokens)
-            _record(times, "accept", start, timed)
+            accepted = _timed(log["accept"], backend.accept, matchers, tokens)
 
             if extras:
                 going = [i for i, t in enumerate(tokens) if t != self.eos and accepted[i]]
                 start = time.perf_counter()
                 backend.rollback([matchers[i] for i in going], 1)
-                times["rollback"].append(_ms(start))
+                times["rollback"].append(ms_since(start))
                 again = backend.accept([matchers[i] for i in going], [tokens[i] for i in going])
                 assert all(again), "a matcher refused a token it accepted before its rollback"
                 start = time.perf_counter()
                 forced_rows += sum(backend.forced_tokens(matchers[i]) > 0 for i in going)
-                times["forced"].append(_ms(start))
+                times["forced"].append(ms_since(start))
 
             for j, (i, row) in enumerate(zip(live, open_rows, strict=True)):
                 if self._advance(run, row, tokens[j], accepted[j], options, rng):
@@ -290,8 +258,8 @@ class Driver:
             run.forced_rows_pct = 100 * forced_rows / (batch * options.num_steps)
             run.overlap = Overlap(
                 f"[{batch}, {options.matmul_hidden}] x [{options.matmul_hidden}, {vocab}]",
-                run.fill, Stats.of(times["matmul_alone"]), Stats.of(times["fill_in_thread"]),
-                Stats.of(times["matmul_overlapped"]), Stats.of(times["wall"]))
+                run.fill, *(Stats.of(times[key]) for key in (
+                    "matmul_alone", "fill_in_thread", "matmul_overlapped", "wall")))
         for doc in run.documents:
             if doc.error is not None:
                 _note(run, f"{doc.case}: {doc.error}: {doc.text[:80]!r}")
@@ -324,31 +292,23 @@ class Driver:
     @staticmethod
     def _overlap(backend: GrammarBackend, matchers: list[Any], bitmask: Tensor,
                  hidden: Tensor, head: Tensor, times: dict[str, list[float]]) -> None:
-        start = time.perf_counter()
-        torch.mm(hidden, head)
-        times["matmul_alone"].append(_ms(start))
-
-        def fill() -> None:
-            begin = time.perf_counter()
-            backend.fill(matchers, bitmask)
-            times["fill_in_thread"].append(_ms(begin))
-
-        thread = threading.Thread(target=fill)
+        _timed(times["matmul_alone"], torch.mm, hidden, head)
+        thread = threading.Thread(target=_timed, args=(times["fill_in_thread"], backend.fill,
+                                                       matchers, bitmask))
         start = time.perf_counter()
         thread.start()
         torch.mm(hidden, head)
-        times["matmul_overlapped"].append(_ms(start))
+        times["matmul_overlapped"].append(ms_since(start))
         thread.join()
-        times["wall"].append(_ms(start))
+        times["wall"].append(ms_since(start))
 
 
-def _record(times: dict[str, list[float]], key: str, start: float, timed: bool) -> None:
-    if timed:
-        times[key].append(_ms(start))
-
-
-def _ms(start: float) -> float:
-    return (time.perf_counter() - start) * 1e3
+def _timed(samples: list[float], call: Callable[..., T], *args: Any) -> T:
+    """`call(*args)`, its milliseconds appended to `samples`."""
+    start = time.perf_counter()
+    result = call(*args)
+    samples.append(ms_since(start))
+    return result
 
 
 def _note(run: BatchRun, failure: str) -> None:

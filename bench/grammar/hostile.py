@@ -22,8 +22,8 @@ from typing import IO, Any
 
 import torch
 
-from bench.grammar.backends import GrammarBackend, GrammarError
-from bench.grammar.cases import GrammarCase, HostileCase
+from bench.grammar.backends import GrammarBackend, GrammarError, make_backends, ms_since
+from bench.grammar.cases import HostileCase
 
 SETUP_TIMEOUT_S = 120.0
 _ERROR_CHARS = 400
@@ -44,11 +44,8 @@ class HostileResult:
 def run_hostile(library: str, model_dir: Path, vocab_size: int, cases: list[HostileCase],
                 timeout_s: float) -> list[HostileResult]:
     results: list[HostileResult] = []
-    remaining = list(cases)
-    while remaining:
-        results.extend(_run_worker(library, model_dir, vocab_size, remaining, timeout_s))
-        done = {r.case for r in results}
-        remaining = [c for c in remaining if c.name not in done]
+    while len(results) < len(cases):  # each worker measures the next cases, in order
+        results += _run_worker(library, model_dir, vocab_size, cases[len(results):], timeout_s)
     return results
 
 
@@ -68,11 +65,11 @@ def _run_worker(library: str, model_dir: Path, vocab_size: int, cases: list[Host
         threading.Thread(target=_read_lines, args=(proc.stdout, lines), daemon=True).start()
         results: list[HostileResult] = []
         try:
-            if _next_line(lines, SETUP_TIMEOUT_S) != "ready":
+            if lines.get(timeout=SETUP_TIMEOUT_S) != "ready":
                 raise RuntimeError(f"{library} worker did not start: {_tail(proc, stderr)}")
             for case in cases:
                 try:
-                    line = _next_line(lines, timeout_s)
+                    line = lines.get(timeout=timeout_s)
                 except queue.Empty:
                     results.append(HostileResult(library, case.name, "timeout",
                                                  error=f"no result within {timeout_s:g} s"))
@@ -94,10 +91,6 @@ def _read_lines(stream: IO[str], lines: queue.Queue[str | None]) -> None:
     lines.put(None)
 
 
-def _next_line(lines: queue.Queue[str | None], timeout_s: float) -> str | None:
-    return lines.get(timeout=timeout_s)
-
-
 def _tail(proc: subprocess.Popen[str], stderr: IO[str]) -> str:
     try:
         proc.wait(timeout=5)
@@ -110,25 +103,19 @@ def _tail(proc: subprocess.Popen[str], stderr: IO[str]) -> str:
 # -------------------------------------------------------------------- the worker
 
 
-def _measure(backend: GrammarBackend, library: str, case: HostileCase,
-             hf_tokenizer: Any) -> HostileResult:
-    grammar_case = (
-        GrammarCase(case.name, "regex", regex=case.spec) if case.kind == "regex"
-        else GrammarCase(case.name, "json_schema", schema_text=case.spec)
-    )
+def _measure(backend: GrammarBackend, case: HostileCase, hf_tokenizer: Any) -> HostileResult:
     start = time.perf_counter()
     try:
-        compiled = backend.compile(grammar_case)
+        compiled = backend.compile(case)
     except GrammarError as e:
-        return HostileResult(library, case.name, "error",
-                             compile_ms=(time.perf_counter() - start) * 1e3,
+        return HostileResult(backend.name, case.name, "error", compile_ms=ms_since(start),
                              error=str(e)[:_ERROR_CHARS])
-    compile_ms = (time.perf_counter() - start) * 1e3
+    compile_ms = ms_since(start)
     matcher = backend.new_matcher(compiled)
     bitmask = torch.zeros((1, (backend.vocab_size + 31) // 32), dtype=torch.int32)
     start = time.perf_counter()
     backend.fill([matcher], bitmask)
-    first_mask_ms = (time.perf_counter() - start) * 1e3
+    first_mask_ms = ms_since(start)
     tokens: list[int] = hf_tokenizer.encode(case.probe, add_special_tokens=False)
     accepted = 0
     start = time.perf_counter()
@@ -137,22 +124,20 @@ def _measure(backend: GrammarBackend, library: str, case: HostileCase,
             break
         accepted += 1
         backend.fill([matcher], bitmask)
-    probe_ms = (time.perf_counter() - start) * 1e3 if tokens else None
-    return HostileResult(library, case.name, "ok", compile_ms=compile_ms,
+    probe_ms = ms_since(start) if tokens else None
+    return HostileResult(backend.name, case.name, "ok", compile_ms=compile_ms,
                          first_mask_ms=first_mask_ms, probe_tokens=accepted, probe_ms=probe_ms)
 
 
 def _worker(library: str, model_dir: str, vocab_size: int) -> None:
     from transformers import AutoTokenizer
 
-    from bench.grammar.backends import make_backends
-
     cases = [HostileCase(**c) for c in json.loads(sys.stdin.read())]
     hf_tokenizer = AutoTokenizer.from_pretrained(model_dir)
     (backend,) = make_backends(hf_tokenizer, vocab_size, (library,))
     print("ready", flush=True)
     for case in cases:
-        print(json.dumps(asdict(_measure(backend, library, case, hf_tokenizer))), flush=True)
+        print(json.dumps(asdict(_measure(backend, case, hf_tokenizer))), flush=True)
 
 
 if __name__ == "__main__":

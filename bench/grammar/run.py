@@ -7,35 +7,32 @@ For each library, with the model's own tokenizer (SmolLM2: vocabulary 49,152):
   regexes): cold (caches dropped first) and cached (the same case again), p50/p99 over
   `compile_runs`, and the first mask of a fresh matcher after each (llguidance builds its
   lexer lazily, so part of its compile shows there);
-- a decode loop (`bench/grammar/driver.py`) of `batch_size` rows over every case at once
-  ("mixed") and, unless `case_steps` is 0, of every case alone: per step, filling the whole
-  batch's bitmask, applying it to [B, V] float32 logits (plain torch ops and the library's
-  helper), advancing the matchers; in the mixed run also the serial fill, a one-token
-  rollback, the jump-forward query, and the fill from a thread while the main thread runs a
-  decode-sized matmul (does the library release the GIL?);
+- a decode loop (`bench/grammar/driver.py`, every document it finishes checked) of
+  `batch_size` rows over every case at once ("mixed") and, unless `case_steps` is 0, of every
+  case alone; the mixed run also times the serial fill, a one-token rollback, the
+  jump-forward query, and the fill from a thread beside a decode-sized matmul (does the
+  library release the GIL?);
 - hostile grammars (`bench/grammar/hostile.py`), each in a worker subprocess under a
   deadline: compile time, or the library's error, or the timeout.
-
-Every document the loop finishes is checked: it parses and validates against its schema
-(jsonschema) or fully matches its regex.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from bench.grammar.backends import GrammarBackend, GrammarError, library_requires, make_backends
+from bench.grammar.backends import GrammarBackend, GrammarError, make_backends, ms_since
 from bench.grammar.cases import CASES, GrammarCase, hostile_cases
 from bench.grammar.driver import BatchRun, DriveOptions, Driver, Stats
 from bench.grammar.hostile import HostileResult, run_hostile
 from bench.harness.options import internal, opt
-from bench.harness.report import machine_description, save_report
+from bench.harness.report import ReportHead, machine_description, save_report
 from engine.config import default_data_dir
 from engine.models.loader import load_model_config, resolve_model_dir
 
@@ -63,21 +60,23 @@ class GrammarOptions:
     def effective(self) -> GrammarOptions:
         if not self.quick:
             return self
-        return GrammarOptions(
-            model=self.model, libraries=self.libraries, batch_size=self.batch_size,
-            steps=min(self.steps, 16), case_steps=0, compile_runs=min(self.compile_runs, 2),
-            repeats=1, hostile_timeout_s=min(self.hostile_timeout_s, 3.0), seed=self.seed,
-            quick=True,
-            output=self.output, quiet=self.quiet,
-        )
+        return replace(self, steps=min(self.steps, 16), case_steps=0,
+                       compile_runs=min(self.compile_runs, 2), repeats=1,
+                       hostile_timeout_s=min(self.hostile_timeout_s, 3.0))
 
 
 @dataclass(slots=True)
 class LibraryInfo:
     name: str
     version: str
-    requires: list[str]  # declared runtime dependencies
+    requires: list[str]  # declared runtime dependencies, extras left out
     tokenizer_info_ms: float  # building its tokenizer info from the HF tokenizer
+
+    @classmethod
+    def of(cls, backend: GrammarBackend) -> LibraryInfo:
+        requires = importlib.metadata.requires(backend.name) or []
+        return cls(backend.name, importlib.metadata.version(backend.name),
+                   [r for r in requires if "extra ==" not in r], backend.tokenizer_info_ms)
 
 
 @dataclass(slots=True)
@@ -85,18 +84,15 @@ class CompileResult:
     library: str
     case: str
     kind: str
-    cold: Stats | None  # None when the library refused the case
-    cached: Stats | None
-    first_mask_cold: Stats | None  # a fresh matcher's first mask after a cold compile
-    first_mask_cached: Stats | None
+    cold: Stats | None = None  # None when the library refused the case
+    cached: Stats | None = None
+    first_mask_cold: Stats | None = None  # a fresh matcher's first mask after a cold compile
+    first_mask_cached: Stats | None = None
     error: str | None = None
 
 
 @dataclass(slots=True)
-class GrammarReport:
-    options: dict[str, Any]
-    machine: str
-    started_at: str
+class GrammarReport(ReportHead):
     torch_threads: int
     vocab_size: int
     libraries: list[LibraryInfo]
@@ -110,26 +106,24 @@ class GrammarReport:
 
 def measure_compiles(backend: GrammarBackend, case: GrammarCase, runs: int) -> CompileResult:
     bitmask = torch.zeros((1, (backend.vocab_size + 31) // 32), dtype=torch.int32)
-    samples: dict[str, list[float]] = {"cold": [], "cached": [], "mask_cold": [],
-                                       "mask_cached": []}
+    samples: dict[str, list[float]] = {k: [] for k in ("cold", "cached", "mask cold",
+                                                       "mask cached")}
     for _ in range(runs):
-        for cold in (True, False):
-            if cold:
+        for state in ("cold", "cached"):
+            if state == "cold":
                 backend.clear_cache()
             start = time.perf_counter()
             try:
                 compiled = backend.compile(case)
             except GrammarError as e:
-                return CompileResult(backend.name, case.name, case.kind, None, None, None, None,
-                                     error=str(e))
-            samples["cold" if cold else "cached"].append(_ms(start))
+                return CompileResult(backend.name, case.name, case.kind, error=str(e))
+            samples[state].append(ms_since(start))
             matcher = backend.new_matcher(compiled)
             start = time.perf_counter()
             backend.fill([matcher], bitmask)
-            samples["mask_cold" if cold else "mask_cached"].append(_ms(start))
-    return CompileResult(backend.name, case.name, case.kind, Stats.of(samples["cold"]),
-                         Stats.of(samples["cached"]), Stats.of(samples["mask_cold"]),
-                         Stats.of(samples["mask_cached"]))
+            samples[f"mask {state}"].append(ms_since(start))
+    cold, cached, mask_cold, mask_cached = map(Stats.of, samples.values())
+    return CompileResult(backend.name, case.name, case.kind, cold, cached, mask_cold, mask_cached)
 
 
 def measure_hostile(options: GrammarOptions, model_dir: Path,
@@ -162,15 +156,10 @@ def run_grammar(options: GrammarOptions) -> GrammarReport:
     pool = ThreadPoolExecutor(1)
     hostile_future = pool.submit(measure_hostile, options, model_dir, vocab_size) \
         if options.quick else None
-    libraries: list[LibraryInfo] = []
-    backends: list[GrammarBackend] = []
-    for backend in make_backends(hf_tokenizer, vocab_size, options.libraries):
-        libraries.append(LibraryInfo(backend.name, backend.version,
-                                     library_requires(backend.distribution),
-                                     backend.tokenizer_info_ms))
-        backends.append(backend)
-        say(f"{backend.name} {backend.version}: tokenizer info "
-            f"{backend.tokenizer_info_ms:.0f} ms")
+    backends = make_backends(hf_tokenizer, vocab_size, options.libraries)
+    libraries = [LibraryInfo.of(backend) for backend in backends]
+    for lib in libraries:
+        say(f"{lib.name} {lib.version}: tokenizer info {lib.tokenizer_info_ms:.0f} ms")
 
     compiles = [measure_compiles(b, case, options.compile_runs) for b in backends
                 for case in CASES]
@@ -259,7 +248,3 @@ def print_report(report: GrammarReport) -> None:
             figures += f", probe {h.probe_tokens} tokens {h.probe_ms:.1f} ms"
         error = f" {h.error[:100]!r}" if h.error else ""
         print(f"{h.case:<24}{h.library:<12}{h.status:<8} {figures}{error}")
-
-
-def _ms(start: float) -> float:
-    return (time.perf_counter() - start) * 1e3

@@ -8,7 +8,7 @@ import json
 import platform
 import time
 from collections.abc import Callable
-from dataclasses import fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -43,16 +43,30 @@ def machine_description() -> str:
     return text
 
 
+@dataclass(slots=True)
+class ReportHead:
+    """What the reports of the larger benchmarks start with (their dataclasses extend
+    it): the options, machine_description() and when the run started."""
+
+    options: Any
+    machine: str
+    started_at: str
+
+
 def report_header(name: str, opts: Any) -> dict[str, Any]:
     """What every benchmark report starts with; `opts`: its options dataclass (without
     the output path)."""
-    options = {f.name: jsonable(getattr(opts, f.name)) for f in fields(opts) if f.name != "output"}
     return {
         "benchmark": name,
         "machine": machine_description(),
-        "options": options,
+        "options": options_json(opts, exclude=("output",)),
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
+
+
+def options_json(opts: Any, *, exclude: tuple[str, ...] = ()) -> dict[str, Any]:
+    """An options dataclass's fields (less `exclude`) as JSON values."""
+    return {f.name: jsonable(getattr(opts, f.name)) for f in fields(opts) if f.name not in exclude}
 
 
 def jsonable(value: Any) -> Any:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import socket
 import subprocess
 import sys
@@ -99,16 +100,16 @@ def checkout_model_args(serve_args: Sequence[str]) -> list[str]:
 def launched(
     cmd: Sequence[str], base_url: str, *, env: Mapping[str, str] | None = None,
     log_path: Path | None = None, timeout_s: float = 300.0, ready_path: str = "/ready",
-    stopper: Callable[[subprocess.Popen[bytes]], None] | None = None,
+    stopper: Callable[[subprocess.Popen[bytes]], None] | None = None, cwd: Path | None = None,
 ) -> Iterator[LaunchedServer]:
-    """`cmd` in a subprocess (output to `log_path`, quoted if it fails to start), ready
-    once `base_url` + `ready_path` answers 200; stopped by `stopper` (default: `stop`)
+    """`cmd` in a subprocess (in `cwd`, output to `log_path`, quoted if it fails to start),
+    ready once `base_url` + `ready_path` answers 200; stopped by `stopper` (default: `stop`)
     when the block ends."""
     with contextlib.ExitStack() as stack:
         log = None if log_path is None else stack.enter_context(log_path.open("wb"))
         proc = subprocess.Popen(
             list(cmd), env=None if env is None else dict(env), stdout=log,
-            stderr=None if log is None else subprocess.STDOUT,
+            stderr=None if log is None else subprocess.STDOUT, cwd=cwd,
         )
         try:
             wait_ready(proc, base_url, timeout_s, cmd=list(cmd), log=log_path,
@@ -131,6 +132,37 @@ def loraplex_serve(
     with launched(cmd, f"http://127.0.0.1:{port}", env=env, log_path=log_path,
                   timeout_s=timeout_s, stopper=stopper) as server:
         yield server
+
+
+@contextlib.contextmanager
+def serve_with_keys(
+    serve_args: Sequence[str], data_dir: Path, *, timeout_s: float = 300.0,
+    stopper: Callable[[subprocess.Popen[bytes]], None] | None = None, **settings: str,
+) -> Iterator[tuple[LaunchedServer, str]]:
+    """`loraplex serve` with API keys on the data directory `data_dir` (its log there,
+    `--model default` the checkout's), `settings` added to its environment; yields it and
+    its admin key."""
+    admin_key = f"bench-admin-{secrets.token_hex(16)}"
+    env = clean_env(LORAPLEX_ADMIN_KEY=admin_key, LORAPLEX_SECRET_KEY=secrets.token_hex(32),
+                    LORAPLEX_DATA_DIR=str(data_dir), **settings)
+    with loraplex_serve(checkout_model_args(serve_args), env=env, no_auth=False,
+                        log_path=data_dir / "serve.log", timeout_s=timeout_s,
+                        stopper=stopper) as server:
+        yield server, admin_key
+
+
+def prepare_stores(database_url: str | None, redis_url: str | None) -> None:
+    """Migrate the database at `database_url` to the head revision (as an operator does
+    before starting servers) and FLUSH the Redis database at `redis_url`, each if given."""
+    if database_url:
+        from app.db import upgrade
+
+        upgrade(database_url)
+    if redis_url:
+        import redis
+
+        with redis.Redis.from_url(redis_url, socket_connect_timeout=3) as client:
+            client.flushdb()
 
 
 @contextlib.contextmanager
@@ -167,6 +199,12 @@ def engine_counters(base_url: str, headers: dict[str, str] | None = None) -> dic
     return values
 
 
+def proc_status(pid: int) -> dict[str, str]:
+    """/proc/PID/status (Linux) as a dict; OSError where there is no such process."""
+    lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    return {k: v.strip() for k, _, v in (line.partition(":") for line in lines)}
+
+
 @dataclass(slots=True)
 class ProcessMemory:
     """Resident memory of a process, from /proc/PID/status (Linux), in MiB."""
@@ -176,15 +214,10 @@ class ProcessMemory:
     def read(self) -> dict[str, int]:
         """VmRSS (now) and VmHWM (the peak so far); {} where /proc has no such process."""
         try:
-            text = Path(f"/proc/{self.pid}/status").read_text()
+            status = proc_status(self.pid)
         except OSError:
             return {}
-        found: dict[str, int] = {}
-        for line in text.splitlines():
-            key, _, value = line.partition(":")
-            if key in ("VmRSS", "VmHWM"):
-                found[key] = int(value.split()[0]) // 1024
-        return found
+        return {k: int(status[k].split()[0]) // 1024 for k in ("VmRSS", "VmHWM") if k in status}
 
     def rss_mb(self) -> int | None:
         return self.read().get("VmRSS")
@@ -193,6 +226,8 @@ class ProcessMemory:
         return self.read().get("VmHWM")
 
 
-def model_name(base_url: str) -> str:
+def model_name(base_url: str, headers: dict[str, str] | None = None) -> str:
     """The first model the server at `base_url` lists (its base model)."""
-    return str(httpx.get(f"{base_url}/v1/models", timeout=10).json()["data"][0]["id"])
+    response = httpx.get(f"{base_url}/v1/models", headers=headers, timeout=30)
+    response.raise_for_status()
+    return str(response.json()["data"][0]["id"])

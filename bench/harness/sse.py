@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,3 +57,24 @@ class TokenClock:
     def ttft_s(self, end: float) -> float:
         """To the first token; to `end` when none came."""
         return (self.first if self.first is not None else end) - self.start
+
+
+async def timed_stream(
+    client: httpx.AsyncClient, path: str, body: dict[str, Any],
+    tokens_in: Callable[[dict[str, Any]], int],
+) -> tuple[TokenClock, int, float]:
+    """POST `body` to `path` as a stream with usage; the clock (ticked once for each token
+    chunk: `tokens_in(event)` of each event), the usage's completion tokens, and when the
+    stream ended. RuntimeError for an answer other than 200."""
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    clock = TokenClock(time.perf_counter())
+    num_tokens = 0
+    async with client.stream("POST", path, json=body) as resp:
+        if resp.status_code != 200:
+            raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread()).decode()}")
+        async for chunk in EventStream(resp):
+            for _ in range(tokens_in(chunk)):
+                clock.tick()
+            if chunk.get("usage"):
+                num_tokens = int(chunk["usage"]["completion_tokens"])
+    return clock, num_tokens, time.perf_counter()

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from bench.harness.sse import EventStream, TokenClock
+from bench.harness.sse import timed_stream
 
 
 @dataclass(slots=True)
@@ -81,19 +81,24 @@ def make_requests(
     output_len: tuple[int, int] = (16, 128),
     seed: int = 0,
 ) -> list[BenchRequest]:
-    """Random token prompts; ids avoid the low range where special tokens live."""
+    """Random token prompts (random_token_ids)."""
     rng = random.Random(seed)
-    low_id = min(1000, vocab_size // 4)
     out: list[BenchRequest] = []
     for _ in range(num_requests):
         n_prompt = rng.randint(*prompt_len)
         out.append(
             BenchRequest(
-                prompt_token_ids=[rng.randrange(low_id, vocab_size) for _ in range(n_prompt)],
+                prompt_token_ids=random_token_ids(rng, n_prompt, vocab_size),
                 max_tokens=rng.randint(*output_len),
             )
         )
     return out
+
+
+def random_token_ids(rng: random.Random, n: int, vocab_size: int) -> list[int]:
+    """`n` ids above the low range where special tokens live."""
+    low = min(1000, vocab_size // 4)
+    return [rng.randrange(low, vocab_size) for _ in range(n)]
 
 
 def _completion_body(base_model: str, req: BenchRequest) -> dict[str, object]:
@@ -110,22 +115,10 @@ def _completion_body(base_model: str, req: BenchRequest) -> dict[str, object]:
 async def _one_stream(
     client: httpx.AsyncClient, base_model: str, req: BenchRequest
 ) -> RequestTiming:
-    body = {
-        **_completion_body(base_model, req),
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    clock = TokenClock(time.perf_counter())
-    num_output_tokens = 0
-    async with client.stream("POST", "/v1/completions", json=body) as resp:
-        if resp.status_code != 200:
-            raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread()).decode()}")
-        async for chunk in EventStream(resp):
-            if chunk.get("choices"):
-                clock.tick()
-            if chunk.get("usage"):
-                num_output_tokens = chunk["usage"]["completion_tokens"]
-    end = time.perf_counter()
+    clock, num_output_tokens, end = await timed_stream(
+        client, "/v1/completions", _completion_body(base_model, req),
+        lambda chunk: 1 if chunk.get("choices") else 0,
+    )
     return RequestTiming(
         ttft_s=clock.ttft_s(end),
         e2e_s=end - clock.start,

@@ -26,6 +26,8 @@ class Target:
     adapter_models: dict[str, str] = field(default_factory=dict)  # adapter -> served name
     headers: dict[str, str] = field(default_factory=dict)
     ignore_eos: bool = True  # an extension loraplex and vLLM take; others may refuse it
+    pid: int | None = None  # the server's process when started here
+    vocab_size: int | None = None  # None: unknown, only a dataset's prompts can be sent
 
     def served_name(self, adapter: str | None) -> str:
         if adapter is None:
@@ -81,12 +83,6 @@ class RequestRecord:
         }
 
 
-@dataclass(slots=True)
-class ScheduleResult:
-    records: list[RequestRecord]
-    duration_s: float  # from the first arrival to the last request's end
-
-
 def completion_body(target: Target, request: ServeRequest) -> dict[str, object]:
     """Greedy and streamed; with ignore_eos every requested token is generated, so each
     run does the same work."""
@@ -110,23 +106,23 @@ async def send_stream(
     record.requested_output_tokens = request.output_len
     record.shared_prefix = request.shared_prefix
     record.prompt_tokens = request.prompt_len
-    start = time.perf_counter()
+    clock = TokenClock(time.perf_counter())
+    record.itl_s = clock.gaps  # filled as tokens arrive
     try:
-        await _read_stream(client, completion_body(target, request), record, start)
+        await _read_stream(client, completion_body(target, request), record, clock)
     except (httpx.HTTPError, OSError, ValueError) as exc:  # ValueError: bad JSON
         record.error = f"{type(exc).__name__}: {exc}"[:300]
-    record.e2e_s = time.perf_counter() - start
-    if record.error is None and record.ttft_s is None:
+    record.e2e_s = time.perf_counter() - clock.start
+    if clock.first is not None:
+        record.ttft_s = clock.first - clock.start
+    elif record.error is None:
         record.error = "the stream ended without a token"
     return record
 
 
 async def _read_stream(
-    client: httpx.AsyncClient, body: dict[str, object], record: RequestRecord, start: float
+    client: httpx.AsyncClient, body: dict[str, object], record: RequestRecord, clock: TokenClock
 ) -> None:
-    clock = TokenClock(start)
-    record.itl_s = clock.gaps  # filled as tokens arrive
-    chunks = 0
     async with client.stream("POST", "/v1/completions", json=body) as response:
         record.status = response.status_code
         if response.status_code != 200:
@@ -138,28 +134,23 @@ async def _read_stream(
                 record.error = f"stream error: {json.dumps(event['error'])[:200]}"
                 return
             if event.get("choices"):
-                chunks += 1
-                now = clock.tick()
-                if record.ttft_s is None:
-                    record.ttft_s = now - start
+                clock.tick()
             usage = event.get("usage")
             if usage:
                 record.output_tokens = int(usage.get("completion_tokens") or 0)
                 record.prompt_tokens = usage.get("prompt_tokens", record.prompt_tokens)
-    if record.output_tokens == 0:
-        record.output_tokens = chunks  # a server without usage in streams: one per chunk
+    if record.output_tokens == 0 and clock.first is not None:
+        # A server without usage in streams: one token per chunk.
+        record.output_tokens = len(clock.gaps) + 1
 
 
 async def run_schedule(
-    client: httpx.AsyncClient,
-    target: Target,
-    requests: Sequence[ServeRequest],
-    arrivals: Sequence[float],
-    *,
-    max_concurrency: int | None = None,
-) -> ScheduleResult:
+    client: httpx.AsyncClient, target: Target, requests: Sequence[ServeRequest],
+    arrivals: Sequence[float], *, max_concurrency: int | None = None,
+) -> tuple[list[RequestRecord], float]:
     """Send request i at arrivals[i] seconds (open loop: no request waits for another,
-    unless `max_concurrency` caps the streams in flight); wait for all to end."""
+    unless `max_concurrency` caps the streams in flight); wait for all to end. Returns
+    the records and the seconds from the first arrival to the last request's end."""
     assert len(requests) == len(arrivals)
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     records: list[RequestRecord] = []
@@ -174,7 +165,7 @@ async def run_schedule(
             await send_stream(client, target, request, record)
 
     wall_s = await loops.open_loop(arrivals, one)
-    return ScheduleResult(sorted(records, key=lambda r: r.index), wall_s)
+    return sorted(records, key=lambda r: r.index), wall_s
 
 
 def _round(value: float | None) -> float | None:

@@ -9,10 +9,11 @@ import contextlib
 import statistics
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
+
+from bench.harness.server import proc_status
 
 KV_USAGE = "loraplex_kv_cache_usage_ratio"
 RUNNING = "loraplex_num_requests_running"
@@ -66,31 +67,21 @@ def parse_metrics(text: str) -> dict[str, float]:
 def read_rss_bytes(pid: int) -> int | None:
     """VmRSS of a live process (Linux), None once it is gone."""
     try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
+        return int(proc_status(pid)["VmRSS"].split()[0]) * 1024  # kB
+    except (OSError, KeyError):
         return None
-    for line in status.splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024  # kB
-    return None
 
 
 class ServerMonitor:
     """`async with ServerMonitor(...) as monitor:` samples every `interval_s` until the
     block ends, and once more at its end; `summary()` then describes the run."""
 
-    def __init__(
-        self,
-        client: httpx.AsyncClient,
-        *,
-        pid: int | None,
-        interval_s: float = 0.5,
-        scrape_metrics: bool = True,
-    ) -> None:
+    def __init__(self, client: httpx.AsyncClient, *, pid: int | None,
+                 interval_s: float = 0.5) -> None:
         self._client = client
         self._pid = pid
         self._interval_s = interval_s
-        self._scrape = scrape_metrics
+        self._scrape = True
         self._start = time.perf_counter()
         self._task: asyncio.Task[None] | None = None
         self.samples: list[Sample] = []
@@ -126,13 +117,8 @@ class ServerMonitor:
     async def _metrics(self) -> dict[str, float]:
         try:
             response = await self._client.get("/metrics", timeout=10)
-        except httpx.HTTPError:
-            return {}
-        if response.status_code != 200:
-            return {}
-        try:
-            return parse_metrics(response.text)
-        except ValueError:  # not Prometheus text
+            return parse_metrics(response.text) if response.status_code == 200 else {}
+        except (httpx.HTTPError, ValueError):  # ValueError: not Prometheus text
             return {}
 
     @property

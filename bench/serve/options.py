@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from bench.harness.options import internal, opt
-from bench.harness.report import jsonable
+from bench.harness.report import options_json
 from bench.serve.stats import SLO, rate_label
 from bench.serve.workload import parse_rates
 
@@ -102,7 +102,7 @@ class ServeOptions:
             raise ValueError(f"unknown adapter distribution {self.adapter_dist!r}")
 
     def to_json(self) -> dict[str, Any]:
-        out = {f.name: jsonable(getattr(self, f.name)) for f in fields(self)}
+        out = options_json(self)
         out["rates"] = [rate_label(r) if math.isinf(r) else r for r in self.rates]
         out["api_key"] = None if self.api_key is None else "<set>"  # never in a report
         return out

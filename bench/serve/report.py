@@ -10,8 +10,8 @@ from pathlib import Path
 from bench.serve.stats import SLO, RateSummary, rate_label
 
 
-def _ms(seconds: float) -> str:
-    return "-" if math.isnan(seconds) else f"{seconds * 1000:.1f}"
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None or math.isnan(seconds) else f"{seconds * 1000:.1f}"
 
 
 def _opt(value: float | None, fmt: str) -> str:
@@ -45,8 +45,7 @@ def rate_table(summary: RateSummary, slo: SLO) -> str:
             ("prefix cache hit rate", _opt(server.prefix_cache_hit_rate, ".1%")),
             ("KV blocks filled mean / min",
              f"{_opt(server.kv_filled_mean, '.1%')} / {_opt(server.kv_filled_min, '.1%')}"),
-            ("engine step mean (ms)",
-             _ms(server.mean_step_s) if server.mean_step_s is not None else "-"),
+            ("engine step mean (ms)", _ms(server.mean_step_s)),
         ]
         if server.rss_peak_mib is not None:
             rows.append(("server RSS peak / end (MiB)",

@@ -17,18 +17,18 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import httpx
 
-from bench.harness.report import machine_description, save_report
+from bench.harness.report import ReportHead, machine_description, save_report
 from bench.serve.client import RequestRecord, Target, run_schedule, send_stream
 from bench.serve.monitor import ServerMonitor
 from bench.serve.options import ServeOptions
 from bench.serve.report import plot_sweep, rate_table, sweep_table
 from bench.serve.stats import RateSummary, summarize
-from bench.serve.target import LiveTarget, open_target
+from bench.serve.target import open_target
 from bench.serve.workload import (
     MixOptions,
     ServeRequest,
@@ -45,10 +45,7 @@ class RateRun:
 
 
 @dataclass(slots=True)
-class ServeReport:
-    options: ServeOptions
-    machine: str
-    started_at: str
+class ServeReport(ReportHead):  # options: ServeOptions
     base_url: str
     model: str
     started_server: bool
@@ -71,22 +68,18 @@ class ServeReport:
 def run_serve(opts: ServeOptions) -> ServeReport:
     opts.validate()
     mix = MixOptions(
-        prompt_len=opts.prompt_len,
-        output_len=opts.output_len,
+        **{f.name: getattr(opts, f.name) for f in fields(MixOptions)
+           if f.name not in ("dataset", "adapters")},
         dataset=None if opts.dataset is None else load_dataset(opts.dataset),
         adapters=opts.adapter_names,
-        adapter_dist=opts.adapter_dist,
-        zipf_alpha=opts.zipf_alpha,
-        shared_prefix_fraction=opts.shared_prefix_fraction,
-        shared_prefix_len=opts.shared_prefix_len,
     )
     started_at = time.strftime("%Y-%m-%dT%H:%M:%S")
-    with open_target(opts) as live:
-        runs = asyncio.run(_sweep(opts, live, mix))
+    with open_target(opts) as target:
+        runs = asyncio.run(_sweep(opts, target, mix))
     report = ServeReport(
         options=opts, machine=machine_description(), started_at=started_at,
-        base_url=live.target.base_url, model=live.target.model,
-        started_server=live.pid is not None, runs=runs,
+        base_url=target.base_url, model=target.model,
+        started_server=target.pid is not None, runs=runs,
     )
     print(sweep_table([run.summary for run in runs]), flush=True)
     save_report(report.to_json(), "serve", opts.output)
@@ -96,43 +89,40 @@ def run_serve(opts: ServeOptions) -> ServeReport:
     return report
 
 
-async def _sweep(opts: ServeOptions, live: LiveTarget, mix: MixOptions) -> list[RateRun]:
-    target, vocab_size = live.target, live.vocab_size
+async def _sweep(opts: ServeOptions, target: Target, mix: MixOptions) -> list[RateRun]:
     timeout = httpx.Timeout(opts.request_timeout_s, connect=30.0)
     # Open loop: the pool must never hold a request back.
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
     runs: list[RateRun] = []
     async with httpx.AsyncClient(base_url=target.base_url, headers=target.headers,
                                  timeout=timeout, limits=limits) as client:
-        await _warm_up(client, target, opts.adapter_names, vocab_size)
+        await _warm_up(client, target, opts.adapter_names)
         for index, rate in enumerate(opts.rates):
             arrivals = arrival_times(rate, num_requests=opts.requests_per_rate,
                                      duration_s=opts.duration_s, burstiness=opts.burstiness,
                                      seed=opts.seed)
-            requests = build_requests(len(arrivals), mix, vocab_size=vocab_size, seed=opts.seed,
-                                      content_seed=opts.seed * 1000 + index + 1)
-            async with ServerMonitor(client, pid=live.pid,
+            requests = build_requests(len(arrivals), mix, vocab_size=target.vocab_size,
+                                      seed=opts.seed, content_seed=opts.seed * 1000 + index + 1)
+            async with ServerMonitor(client, pid=target.pid,
                                      interval_s=opts.metrics_interval_s) as monitor:
-                result = await run_schedule(client, target, requests, arrivals,
-                                            max_concurrency=opts.max_concurrency)
+                records, duration_s = await run_schedule(client, target, requests, arrivals,
+                                                         max_concurrency=opts.max_concurrency)
             server = monitor.summary() if monitor.has_data else None
-            summary = summarize(rate, result.records, result.duration_s, opts.slo, server)
+            summary = summarize(rate, records, duration_s, opts.slo, server)
             print(rate_table(summary, opts.slo), flush=True)
-            runs.append(RateRun(summary, result.records))
+            runs.append(RateRun(summary, records))
     return runs
 
 
-async def _warm_up(
-    client: httpx.AsyncClient, target: Target, adapters: list[str], vocab_size: int | None
-) -> None:
+async def _warm_up(client: httpx.AsyncClient, target: Target, adapters: list[str]) -> None:
     """One short request per model first: the base model's first steps and the adapters'
     loads are not measured, and an adapter the server lacks fails here, clearly."""
+    vocab_size = target.vocab_size
     prompt: str | list[int] = "Hello" if vocab_size is None else [min(1000, vocab_size // 4)] * 8
-    models: list[str | None] = [None, *adapters]
     records = await asyncio.gather(*(
         send_stream(client, target, ServeRequest(prompt, 2, adapter, None),
                     RequestRecord(-1, target.served_name(adapter), scheduled_s=0.0))
-        for adapter in models
+        for adapter in (None, *adapters)
     ))
     failed = [f"{r.model}: {r.error}" for r in records if not r.ok]
     if failed:

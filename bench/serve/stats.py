@@ -38,19 +38,18 @@ class Distribution:
     @classmethod
     def of(cls, values: list[float]) -> Distribution:
         if not values:
-            nan = math.nan
-            return cls(nan, nan, nan, nan, nan)
+            return cls(*[math.nan] * 5)
         ordered = sorted(values)
-        return cls(
-            mean=statistics.fmean(ordered),
-            p50=percentile(ordered, 50),
-            p90=percentile(ordered, 90),
-            p99=percentile(ordered, 99),
-            max=ordered[-1],
-        )
+        p50, p90, p99 = (percentile(ordered, p) for p in (50, 90, 99))
+        return cls(statistics.fmean(ordered), p50, p90, p99, ordered[-1])
 
     def to_json(self) -> dict[str, float | None]:
         return {k: _finite(v) for k, v in asdict(self).items()}
+
+
+# How many decimals a report keeps of each figure.
+_DIGITS = {"duration_s": 3, "request_throughput": 4, "output_throughput": 2, "goodput": 4,
+           "goodput_fraction": 4, "send_lag_max_s": 4}
 
 
 @dataclass(slots=True)
@@ -65,13 +64,13 @@ class RateSummary:
     output_throughput: float  # output tokens/s of completed requests
     total_output_tokens: int
     total_prompt_tokens: int
+    goodput: float  # requests/s within both objectives
+    goodput_fraction: float  # of all requests sent
+    send_lag_max_s: float  # the client's worst delay past a scheduled arrival
     ttft_s: Distribution
     tpot_s: Distribution
     itl_s: Distribution
     e2e_s: Distribution
-    goodput: float  # requests/s within both objectives
-    goodput_fraction: float  # of all requests sent
-    send_lag_max_s: float  # the client's worst delay past a scheduled arrival
     server: MonitorSummary | None = None
 
     @property
@@ -79,44 +78,24 @@ class RateSummary:
         return rate_label(self.rate)
 
     def to_json(self) -> dict[str, object]:
-        out: dict[str, object] = {
-            "rate": self.rate_label if math.isinf(self.rate) else self.rate,
-            "num_requests": self.num_requests,
-            "num_completed": self.num_completed,
-            "num_errors": self.num_errors,
-            "errors": self.errors,
-            "duration_s": round(self.duration_s, 3),
-            "request_throughput": round(self.request_throughput, 4),
-            "output_throughput": round(self.output_throughput, 2),
-            "total_output_tokens": self.total_output_tokens,
-            "total_prompt_tokens": self.total_prompt_tokens,
-            "goodput": round(self.goodput, 4),
-            "goodput_fraction": round(self.goodput_fraction, 4),
-            "send_lag_max_s": round(self.send_lag_max_s, 4),
-        }
+        out = asdict(self)
+        out["rate"] = self.rate_label if math.isinf(self.rate) else self.rate
+        for name, digits in _DIGITS.items():
+            out[name] = round(out[name], digits)
         for name in ("ttft_s", "tpot_s", "itl_s", "e2e_s"):
             out[name] = getattr(self, name).to_json()
-        out["server"] = None if self.server is None else asdict(self.server)
         return out
 
 
-def summarize(
-    rate: float,
-    records: list[RequestRecord],
-    duration_s: float,
-    slo: SLO,
-    server: MonitorSummary | None = None,
-) -> RateSummary:
+def summarize(rate: float, records: list[RequestRecord], duration_s: float, slo: SLO,
+              server: MonitorSummary | None = None) -> RateSummary:
     ok = [r for r in records if r.ok]
     errors = Counter(r.error for r in records if r.error is not None)
     met = sum(1 for r in records if slo.met_by(r))
     output_tokens = sum(r.output_tokens for r in ok)
     return RateSummary(
-        rate=rate,
-        num_requests=len(records),
-        num_completed=len(ok),
-        num_errors=len(records) - len(ok),
-        errors=dict(errors.most_common(10)),
+        rate=rate, num_requests=len(records), num_completed=len(ok),
+        num_errors=len(records) - len(ok), errors=dict(errors.most_common(10)),
         duration_s=duration_s,
         request_throughput=_per_s(len(ok), duration_s),
         output_throughput=_per_s(output_tokens, duration_s),

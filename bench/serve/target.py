@@ -6,12 +6,9 @@ from __future__ import annotations
 import contextlib
 import tempfile
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
-
-from bench.harness.server import loraplex_serve, model_name
+from bench.harness.server import LaunchedServer, loraplex_serve, model_name
 from bench.lora import make_adapters
 from bench.serve.client import Target
 from bench.serve.options import ServeOptions
@@ -22,28 +19,15 @@ ADAPTER_RANK = 16
 ADAPTER_TARGETS = "attention"
 
 
-@dataclass(frozen=True, slots=True)
-class StartedServer:
-    base_url: str
-    pid: int
-
-
-@dataclass(frozen=True, slots=True)
-class LiveTarget:
-    target: Target
-    pid: int | None  # the server's process when started here
-    vocab_size: int | None  # None: unknown, only a dataset's prompts can be sent
-
-
 @contextlib.contextmanager
-def open_target(opts: ServeOptions) -> Iterator[LiveTarget]:
+def open_target(opts: ServeOptions) -> Iterator[Target]:
     """The server at `--base-url`, or one started here for as long as the block runs."""
     headers = {"Authorization": f"Bearer {opts.api_key}"} if opts.api_key else {}
     if opts.base_url is not None:
         base_url = opts.base_url.rstrip("/")
-        model = opts.model or _first_model(base_url, headers)
-        target = Target(base_url, model, opts.adapter_models, headers, opts.ignore_eos)
-        yield LiveTarget(target, None, opts.vocab_size or _local_vocab_size(opts.model))
+        yield Target(base_url, opts.model or model_name(base_url, headers), opts.adapter_models,
+                     headers, opts.ignore_eos,
+                     vocab_size=opts.vocab_size or _local_vocab_size(opts.model))
         return
     model = opts.model or "default"
     model_dir = resolve_model_dir(model, default_data_dir())
@@ -55,25 +39,19 @@ def open_target(opts: ServeOptions) -> Iterator[LiveTarget]:
                              targets=ADAPTER_TARGETS)
     lora_flags = [flag for name, path in adapters.items() for flag in ("--lora", f"{name}={path}")]
     with started_server(["--model", model, *lora_flags, *opts.serve_args]) as server:
-        target = Target(server.base_url, model_name(server.base_url), {}, headers,
-                        opts.ignore_eos)
-        yield LiveTarget(target, server.pid, opts.vocab_size or config.vocab_size)
+        yield Target(server.base_url, model_name(server.base_url), {}, headers, opts.ignore_eos,
+                     server.pid, opts.vocab_size or config.vocab_size)
 
 
 @contextlib.contextmanager
-def started_server(serve_args: list[str], *, timeout_s: float = 600.0) -> Iterator[StartedServer]:
+def started_server(serve_args: list[str], *, timeout_s: float = 600.0
+                   ) -> Iterator[LaunchedServer]:
     """A `loraplex serve --no-auth` started with `serve_args`, stopped at the end. Its log
     (a line per request) goes to a file, quoted if the server fails to start."""
     with tempfile.TemporaryDirectory(prefix="loraplex-bench-serve-") as tmp, \
             loraplex_serve(serve_args, log_path=Path(tmp) / "serve.log",
                            timeout_s=timeout_s) as server:
-        yield StartedServer(server.base_url, server.pid)
-
-
-def _first_model(base_url: str, headers: dict[str, str]) -> str:
-    response = httpx.get(f"{base_url}/v1/models", headers=headers, timeout=30)
-    response.raise_for_status()
-    return str(response.json()["data"][0]["id"])
+        yield server
 
 
 def _local_vocab_size(model: str | None) -> int | None:

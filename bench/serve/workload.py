@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.harness.workload import random_token_ids
 from bench.lora import zipf_choices
 
 # Words of the text system prompts given to dataset prompts that are text.
@@ -41,12 +42,8 @@ def parse_rates(values: Sequence[str]) -> list[float]:
 
 
 def arrival_times(
-    rate: float,
-    *,
-    num_requests: int | None,
-    duration_s: float | None = None,
-    burstiness: float = 1.0,
-    seed: int = 0,
+    rate: float, *, num_requests: int | None, duration_s: float | None = None,
+    burstiness: float = 1.0, seed: int = 0,
 ) -> list[float]:
     """Seconds after the start at which each request is sent, the first at 0.
 
@@ -156,11 +153,9 @@ class ServeRequest:
 class _Shape:
     """What a request is, before its tokens are drawn: the same at every rate."""
 
-    output_len: int
+    entry: DatasetEntry  # without a dataset: only lengths, drawn from the ranges
     adapter: str | None
     shared_prefix: bool
-    prompt_len: int | None  # tokens to draw; None: the dataset's prompt as it is
-    prompt: str | list[int] | None
 
 
 def build_requests(
@@ -193,16 +188,16 @@ def _shapes(count: int, mix: MixOptions, seed: int) -> list[_Shape]:
         shared = rng.random() < mix.shared_prefix_fraction
         if entries:
             entry = entries[i % len(entries)]
-            shapes.append(_Shape(entry.output_len, adapters[i], shared,
-                                 entry.prompt_len, entry.prompt))
         else:
-            prompt_len, output_len = rng.randint(*mix.prompt_len), rng.randint(*mix.output_len)
-            shapes.append(_Shape(output_len, adapters[i], shared, prompt_len, None))
+            prompt_len = rng.randint(*mix.prompt_len)
+            entry = DatasetEntry(rng.randint(*mix.output_len), prompt_len=prompt_len)
+        shapes.append(_Shape(entry, adapters[i], shared))
     return shapes
 
 
 def _needs_vocab(shape: _Shape) -> bool:
-    return shape.prompt_len is not None or (shape.shared_prefix and isinstance(shape.prompt, list))
+    entry = shape.entry
+    return entry.prompt_len is not None or (shape.shared_prefix and isinstance(entry.prompt, list))
 
 
 def _adapter_draws(count: int, mix: MixOptions, seed: int) -> list[str | None]:
@@ -217,38 +212,31 @@ def _adapter_draws(count: int, mix: MixOptions, seed: int) -> list[str | None]:
 def _realize(
     shape: _Shape, mix: MixOptions, vocab_size: int | None, rng: random.Random, seed: int
 ) -> ServeRequest:
-    prefix_len = mix.shared_prefix_len if shape.shared_prefix else 0
-    if shape.prompt_len is not None:
+    entry, prefix_len = shape.entry, mix.shared_prefix_len if shape.shared_prefix else 0
+    if entry.prompt_len is not None:
         assert vocab_size is not None
-        own = _random_tokens(rng, max(shape.prompt_len - prefix_len, 1), vocab_size)
-        prefix = _prefix_tokens(shape.adapter, prefix_len, vocab_size, seed)
-        prompt: str | list[int] = prefix + own
+        own = random_token_ids(rng, max(entry.prompt_len - prefix_len, 1), vocab_size)
+        prompt: str | list[int] = _prefix_tokens(shape.adapter, prefix_len, vocab_size, seed) + own
         prompt_len: int | None = len(prompt)
+    elif isinstance(entry.prompt, str):
+        prompt, prompt_len = entry.prompt, None
+        if prefix_len:
+            prompt = _prefix_text(shape.adapter, prefix_len, seed) + "\n\n" + prompt
     else:
-        assert shape.prompt is not None
-        prompt, prompt_len = shape.prompt, None
-        if isinstance(prompt, str):
-            if prefix_len:
-                prompt = _prefix_text(shape.adapter, prefix_len, seed) + "\n\n" + prompt
-        else:
-            if prefix_len:
-                assert vocab_size is not None
-                prompt = _prefix_tokens(shape.adapter, prefix_len, vocab_size, seed) + prompt
-            prompt_len = len(prompt)
-    return ServeRequest(prompt, shape.output_len, shape.adapter, prompt_len, shape.shared_prefix)
-
-
-def _random_tokens(rng: random.Random, n: int, vocab_size: int) -> list[int]:
-    """Ids above the low range where special tokens live."""
-    low = min(1000, vocab_size // 4)
-    return [rng.randrange(low, vocab_size) for _ in range(n)]
+        assert entry.prompt is not None
+        prompt = entry.prompt
+        if prefix_len:
+            assert vocab_size is not None
+            prompt = _prefix_tokens(shape.adapter, prefix_len, vocab_size, seed) + prompt
+        prompt_len = len(prompt)
+    return ServeRequest(prompt, entry.output_len, shape.adapter, prompt_len, shape.shared_prefix)
 
 
 def _prefix_tokens(adapter: str | None, n: int, vocab_size: int, seed: int) -> list[int]:
     """The system prompt of one tenant (adapter), the same for all its requests."""
     if n == 0:
         return []
-    return _random_tokens(random.Random(f"prefix:{seed}:{adapter}"), n, vocab_size)
+    return random_token_ids(random.Random(f"prefix:{seed}:{adapter}"), n, vocab_size)
 
 
 def _prefix_text(adapter: str | None, n: int, seed: int) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
@@ -15,6 +16,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.pool import NullPool
 
 from app.quotas.redis_limiter import DEFAULT_MAX_CONNECTIONS as REDIS_POOL_SIZE
+from bench.harness.server import proc_status
 
 # app.db.make_engine's pool: connections past it are closed when they are checked in, so
 # more than this many open at rest are checked out and never returned.
@@ -56,13 +58,8 @@ class Check:
                 f"(must be {rule} {self.limit:,})  {verdict}")
 
 
-def _proc_status(pid: int) -> dict[str, str]:
-    lines = Path(f"/proc/{pid}/status").read_text().splitlines()
-    return {k: v.strip() for k, _, v in (line.partition(":") for line in lines)}
-
-
 def rss_bytes(pid: int) -> int:
-    return int(_proc_status(pid)["VmRSS"].split()[0]) * 1024
+    return int(proc_status(pid)["VmRSS"].split()[0]) * 1024
 
 
 def open_fds(pid: int) -> int:
@@ -108,12 +105,17 @@ def db_connections(pid: int, database_url: str) -> int:
     if url.get_backend_name() == "sqlite":
         path = str(Path(url.database or "").resolve())
         return sum(target == path for target in _fd_targets(pid))
+    [(count,)] = query(database_url, "SELECT count(*) FROM pg_stat_activity "
+                       "WHERE datname = current_database() AND pid <> pg_backend_pid()")
+    return int(count)
+
+
+def query(database_url: str, sql: str) -> list[tuple[Any, ...]]:
+    """The rows `sql` selects, on a connection of its own (none left open)."""
     engine = create_engine(database_url, poolclass=NullPool)
     try:
         with engine.connect() as conn:
-            query = text("SELECT count(*) FROM pg_stat_activity "
-                         "WHERE datname = current_database() AND pid <> pg_backend_pid()")
-            return int(conn.execute(query).scalar_one())
+            return [tuple(row) for row in conn.execute(text(sql))]
     finally:
         engine.dispose()
 
@@ -136,7 +138,7 @@ def redis_state(redis_url: str) -> tuple[int, int]:
 def snapshot(
     pid: int, base_url: str, admin_key: str, database_url: str, redis_url: str | None
 ) -> Snapshot:
-    status = _proc_status(pid)
+    status = proc_status(pid)
     view = httpx.get(
         f"{base_url}/admin/engine", headers={"Authorization": f"Bearer {admin_key}"}, timeout=30
     )
@@ -164,11 +166,7 @@ def snapshot(
 
 
 def leak_checks(
-    before: Snapshot,
-    after: Snapshot,
-    *,
-    num_tenants: int,
-    rss_slack_mib: int,
+    before: Snapshot, after: Snapshot, *, num_tenants: int, rss_slack_mib: int,
     rss_samples: list[tuple[float, int]],
 ) -> list[Check]:
     """NOTE: the slack covers what a healthy process grows into once and then keeps

@@ -23,7 +23,6 @@ import contextlib
 import itertools
 import json
 import random
-import secrets
 import subprocess
 import tempfile
 import time
@@ -33,22 +32,23 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import httpx
-from sqlalchemy import create_engine, text
-from sqlalchemy.pool import NullPool
 
 from bench.harness import loops
 from bench.harness.adapters import write_random_adapter
 from bench.harness.options import internal, opt
-from bench.harness.report import machine_description, save_report
-from bench.harness.server import checkout_model_args, clean_env, loraplex_serve
+from bench.harness.report import ReportHead, machine_description, options_json, save_report
+from bench.harness.server import prepare_stores, serve_with_keys
 from bench.harness.tenants import create_tenant
 from bench.harness.workload import median, percentile
-from bench.soak.probes import Check, Snapshot, leak_checks, open_fds, rss_bytes, snapshot
+from bench.soak.probes import Check, Snapshot, leak_checks, open_fds, query, rss_bytes, snapshot
 from bench.soak.traffic import TENANT_MAX_TOKENS, Outcome, Traffic, TrafficShape
 from engine.config import default_data_dir
 from engine.models.loader import load_model_config, resolve_model_dir
 
 DEFAULT_KV_CACHE_TOKENS = 8192
+# The tenant's limits: none of them reached.
+TENANT_QUOTAS = {"rpm": 1_000_000, "tpm": 1_000_000_000, "max_concurrency": 1024,
+                 "max_tokens": TENANT_MAX_TOKENS}
 
 
 @dataclass(slots=True)
@@ -85,10 +85,7 @@ class SoakOptions:
 
 
 @dataclass(slots=True)
-class SoakReport:
-    options: dict[str, object]
-    machine: str
-    started_at: str
+class SoakReport(ReportHead):
     capacity_rps: float
     rate_rps: float
     counts: dict[str, int]  # "<phase> <kind> <status>" -> requests
@@ -109,15 +106,6 @@ class SoakServer:
     base_url: str
     admin_key: str
     database_url: str
-    log: Path
-
-
-async def closed_loop(traffic: Traffic, concurrency: int, duration_s: float) -> float:
-    """The mix with `concurrency` clients back to back; returns requests/s."""
-    done, wall_s = await loops.closed_loop(
-        lambda: traffic.one("capacity"), concurrency, duration_s
-    )
-    return done / wall_s
 
 
 async def open_loop(
@@ -163,45 +151,25 @@ def _adapter_dirs(model_dir: Path, root: Path, rank: int) -> Iterator[Path]:
                                    targets=("q_proj", "v_proj"), seed=seed)
 
 
-def _create_tenant(base_url: str, admin_key: str) -> str:
-    """A tenant with limits (none of them reached) and a key that may upload adapters."""
-    quotas = {"rpm": 1_000_000, "tpm": 1_000_000_000, "max_concurrency": 1024,
-              "max_tokens": TENANT_MAX_TOKENS}
-    return create_tenant(base_url, admin_key, "soak", quotas=quotas,
-                         scopes=["inference", "adapters:write"]).key
-
-
 @contextlib.contextmanager
 def soak_server(opts: SoakOptions, data_dir: Path, timeout_s: float = 300.0
                 ) -> Iterator[SoakServer]:
-    admin_key = f"bench-admin-{secrets.token_hex(16)}"
     database_url = opts.database_url or f"sqlite:///{data_dir / 'loraplex.db'}"
-    if opts.database_url:
-        from app.db import upgrade
-
-        upgrade(opts.database_url)
+    prepare_stores(opts.database_url, opts.redis_url)
+    stores = {"DATABASE_URL": database_url}
     if opts.redis_url:
-        import redis
-
-        with redis.Redis.from_url(opts.redis_url) as client:
-            client.flushdb()
-    env = clean_env(LORAPLEX_ADMIN_KEY=admin_key, LORAPLEX_SECRET_KEY=secrets.token_hex(32),
-                    LORAPLEX_DATA_DIR=str(data_dir), DATABASE_URL=database_url)
-    if opts.redis_url:
-        env["REDIS_URL"] = opts.redis_url
+        stores["REDIS_URL"] = opts.redis_url
     serve_args = list(opts.serve_args)
     if "--kv-cache-tokens" not in serve_args:
         # NOTE: the KV cache is paged in lazily, block by block as requests first use
         # them: a cache small enough for the capacity phase to use all of it is in the
         # baseline's RSS, instead of growing into the load's as a false leak.
         serve_args += ["--kv-cache-tokens", str(DEFAULT_KV_CACHE_TOKENS)]
-    log_path = data_dir / "serve.log"
     # The run stops the server itself (SIGTERM, and reads its exit code); a run that
     # failed before that leaves it to be killed here.
-    with loraplex_serve(checkout_model_args(["--model", opts.model, *serve_args]), env=env,
-                        no_auth=False, log_path=log_path, timeout_s=timeout_s,
-                        stopper=_kill) as launched:
-        yield SoakServer(launched.proc, launched.base_url, admin_key, database_url, log_path)
+    with serve_with_keys(["--model", opts.model, *serve_args], data_dir, timeout_s=timeout_s,
+                         stopper=_kill, **stores) as (launched, admin_key):
+        yield SoakServer(launched.proc, launched.base_url, admin_key, database_url)
 
 
 def _kill(proc: subprocess.Popen[bytes]) -> None:
@@ -242,15 +210,6 @@ def _wait_fds_settled(pid: int, timeout_s: float = 30.0, quiet_s: float = 1.5) -
         time.sleep(0.25)
 
 
-def _usage_request_ids(database_url: str) -> list[str]:
-    engine = create_engine(database_url, poolclass=NullPool)
-    try:
-        with engine.connect() as conn:
-            return [r[0] for r in conn.execute(text("SELECT request_id FROM usage_records"))]
-    finally:
-        engine.dispose()
-
-
 async def _drive(server: SoakServer, key: str, opts: SoakOptions, adapter_dirs: Iterator[Path]
                  ) -> tuple[Traffic, float, float, int, Snapshot]:
     limits = httpx.Limits(max_connections=opts.max_in_flight + 8)
@@ -260,7 +219,9 @@ async def _drive(server: SoakServer, key: str, opts: SoakOptions, adapter_dirs: 
         shape = TrafficShape(opts.seed, opts.max_tokens, opts.cut_max_tokens)
         traffic = Traffic(client, model, shape, server.proc.pid)
         await traffic.upload(next(adapter_dirs), "capacity")
-        capacity = await closed_loop(traffic, opts.capacity_concurrency, opts.capacity_s)
+        done, wall_s = await loops.closed_loop(lambda: traffic.one("capacity"),
+                                               opts.capacity_concurrency, opts.capacity_s)
+        capacity = done / wall_s
         rate = capacity * opts.load_fraction
         print(f"capacity {capacity:.2f} req/s (closed loop, {opts.capacity_concurrency} "
               f"clients); open loop at {rate:.2f} req/s for {opts.duration_s:.0f} s", flush=True)
@@ -280,7 +241,8 @@ def run_soak(opts: SoakOptions) -> SoakReport:
         data_dir = Path(tmp)
         adapter_dirs = _adapter_dirs(model_dir, data_dir / "adapters-src", opts.adapter_rank)
         with soak_server(opts, data_dir) as server:
-            key = _create_tenant(server.base_url, server.admin_key)
+            key = create_tenant(server.base_url, server.admin_key, "soak", quotas=TENANT_QUOTAS,
+                                scopes=["inference", "adapters:write"]).key
             traffic, capacity, rate, skipped, baseline = asyncio.run(
                 _drive(server, key, opts, adapter_dirs)
             )
@@ -289,7 +251,8 @@ def run_soak(opts: SoakOptions) -> SoakReport:
                              server.database_url, opts.redis_url)
             server.proc.terminate()
             exit_code = server.proc.wait(120)
-        rows = _usage_request_ids(server.database_url)
+        rows = [row[0] for row in query(server.database_url,
+                                        "SELECT request_id FROM usage_records")]
     served = [o.response_id for o in traffic.outcomes if o.response_id and o.status == 200]
     checks = leak_checks(baseline, after, num_tenants=1, rss_slack_mib=opts.rss_slack_mib,
                          rss_samples=traffic.rss_samples)
@@ -305,10 +268,8 @@ def run_soak(opts: SoakOptions) -> SoakReport:
         if times:
             latency[f"{kind}_p50_s"] = round(median(times), 3)
             latency[f"{kind}_p99_s"] = round(percentile(times, 99), 3)
-    options = asdict(opts)
-    options["output"] = None if opts.output is None else str(opts.output)
     report = SoakReport(
-        options=options, machine=machine_description(), started_at=started_at,
+        options=options_json(opts), machine=machine_description(), started_at=started_at,
         capacity_rps=round(capacity, 3), rate_rps=round(rate, 3),
         counts=dict(sorted(Counter(f"{o.phase} {o.kind} {o.status}"
                                    for o in traffic.outcomes).items())),

@@ -108,12 +108,6 @@ class ToolCase:
     tools: tuple[dict[str, Any], ...]
     prompts: tuple[str, ...]
 
-    def parameters(self, function: str) -> dict[str, Any] | None:
-        for tool in self.tools:
-            if tool["function"]["name"] == function:
-                return dict(tool["function"]["parameters"])
-        return None
-
 
 TOOL_CASES: tuple[ToolCase, ...] = (
     ToolCase("weather", (
@@ -178,11 +172,9 @@ def check_document(content: str | None, schema: dict[str, Any],
     if content is None:
         return f"no content (finish_reason {finish_reason})"
     try:
-        value = json.loads(content)
+        jsonschema.validate(json.loads(content), schema)
     except json.JSONDecodeError as e:
         return f"not JSON ({e}; finish_reason {finish_reason})"
-    try:
-        jsonschema.validate(value, schema)
     except jsonschema.ValidationError as e:
         return f"not valid against the schema: {e.message}"
     return None
@@ -197,17 +189,16 @@ def check_tool_calls(message: dict[str, Any], case: ToolCase,
         return f"no tool_calls (finish_reason {finish_reason})"
     if finish_reason != "tool_calls":
         return f"finish_reason {finish_reason}, not tool_calls"
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in case.tools}
     for call in calls:
         function = call.get("function") or {}
-        parameters = case.parameters(str(function.get("name")))
+        parameters = schemas.get(str(function.get("name")))
         if parameters is None:
             return f"unknown function {function.get('name')!r}"
         try:
-            arguments = json.loads(function.get("arguments") or "")
+            jsonschema.validate(json.loads(function.get("arguments") or ""), parameters)
         except json.JSONDecodeError as e:
             return f"arguments of {function['name']} are not JSON ({e})"
-        try:
-            jsonschema.validate(arguments, parameters)
         except jsonschema.ValidationError as e:
             return f"arguments of {function['name']} are not valid: {e.message}"
     return None

@@ -1,35 +1,20 @@
-"""The HTTP side of `loraplex bench structured`: a `loraplex serve` on a scratch data
-directory, streamed chat requests with their per-token timings, and plain chat requests
-whose whole answer is kept for checking."""
+"""The HTTP side of `loraplex bench structured`: streamed chat requests with their
+per-token timings, and plain chat requests whose whole answer is kept for checking."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 
-from bench.harness.server import clean_env, loraplex_serve
-from bench.harness.sse import EventStream, TokenClock
+from bench.harness.sse import timed_stream
 from bench.harness.workload import RequestTiming, percentile
 
-
-@contextlib.contextmanager
-def scratch_server(model_dir: Path, serve_args: Sequence[str], *,
-                   timeout_s: float = 300.0) -> Iterator[str]:
-    """Yield the base URL of a `loraplex serve --no-auth` of `model_dir` whose database,
-    spool and adapter store live in a temporary directory (removed afterwards)."""
-    with tempfile.TemporaryDirectory(prefix="loraplex-structured-") as data_dir, \
-            loraplex_serve(["--model", str(model_dir), *serve_args],
-                           env=clean_env(LORAPLEX_DATA_DIR=data_dir),
-                           log_path=Path(data_dir) / "serve.log", timeout_s=timeout_s) as server:
-        yield server.base_url
+R = TypeVar("R")
 
 
 @dataclass(slots=True)
@@ -44,13 +29,10 @@ class ChatCall:
 class StreamResult:
     label: str
     timing: RequestTiming
-    content: str
-    finish_reason: str | None
 
 
 @dataclass(slots=True)
 class ChatResult:
-    label: str
     status: int
     message: dict[str, Any] = field(default_factory=dict)
     finish_reason: str | None = None
@@ -88,77 +70,52 @@ class LoadSummary:
         )
 
 
-async def _stream(client: httpx.AsyncClient, call: ChatCall) -> StreamResult:
-    body = {**call.body, "stream": True, "stream_options": {"include_usage": True}}
-    clock = TokenClock(time.perf_counter())
-    parts: list[str] = []
-    finish_reason: str | None = None
-    num_tokens = 0
-    async with client.stream("POST", "/v1/chat/completions", json=body) as resp:
-        if resp.status_code != 200:
-            raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread()).decode()}")
-        async for chunk in EventStream(resp):
-            for choice in chunk.get("choices") or []:
-                text = (choice.get("delta") or {}).get("content")
-                if text:
-                    parts.append(text)
-                    clock.tick()
-                finish_reason = choice.get("finish_reason") or finish_reason
-            if chunk.get("usage"):
-                num_tokens = int(chunk["usage"]["completion_tokens"])
-    end = time.perf_counter()
+async def stream_chat(client: httpx.AsyncClient, call: ChatCall) -> StreamResult:
+    clock, num_tokens, end = await timed_stream(
+        client, "/v1/chat/completions", call.body,
+        lambda chunk: sum(1 for choice in chunk.get("choices") or []
+                          if (choice.get("delta") or {}).get("content")),
+    )
     # NOTE: TPOT runs to the last token's arrival, not the stream's end: the usage chunk
     # and [DONE] come after it.
     timing = RequestTiming(ttft_s=clock.ttft_s(end), e2e_s=clock.last - clock.start,
                            num_output_tokens=num_tokens, token_gaps_s=clock.gaps)
-    return StreamResult(call.label, timing, "".join(parts), finish_reason)
+    return StreamResult(call.label, timing)
 
 
-async def _post(client: httpx.AsyncClient, call: ChatCall) -> ChatResult:
+async def post_chat(client: httpx.AsyncClient, call: ChatCall) -> ChatResult:
     resp = await client.post("/v1/chat/completions", json=call.body)
     if resp.status_code != 200:
-        return ChatResult(call.label, resp.status_code, error=resp.text[:2000])
+        return ChatResult(resp.status_code, error=resp.text[:2000])
     choice = resp.json()["choices"][0]
-    return ChatResult(call.label, 200, dict(choice["message"]), choice.get("finish_reason"))
+    return ChatResult(200, dict(choice["message"]), choice.get("finish_reason"))
 
 
-async def _gather(base_url: str, calls: Sequence[ChatCall], concurrency: int,
-                  stream: bool) -> tuple[list[Any], float]:
-    sem = asyncio.Semaphore(concurrency)
-    limits = httpx.Limits(max_connections=concurrency + 4)
-    send = _stream if stream else _post
-    async with httpx.AsyncClient(base_url=base_url, timeout=3600, limits=limits) as client:
+def send_all(base_url: str, calls: Sequence[ChatCall], concurrency: int,
+             send: Callable[[httpx.AsyncClient, ChatCall], Awaitable[R]]
+             ) -> tuple[list[R], float]:
+    """Every call through `send` (stream_chat or post_chat), at most `concurrency` at once;
+    the results and the wall time."""
+    async def run() -> tuple[list[R], float]:
+        sem = asyncio.Semaphore(concurrency)
+        limits = httpx.Limits(max_connections=concurrency + 4)
+        async with httpx.AsyncClient(base_url=base_url, timeout=3600, limits=limits) as client:
 
-        async def bounded(call: ChatCall) -> Any:
-            async with sem:
-                return await send(client, call)
+            async def bounded(call: ChatCall) -> R:
+                async with sem:
+                    return await send(client, call)
 
-        start = time.perf_counter()
-        results = await asyncio.gather(*(bounded(c) for c in calls))
-        return list(results), time.perf_counter() - start
+            start = time.perf_counter()
+            results = await asyncio.gather(*(bounded(c) for c in calls))
+            return list(results), time.perf_counter() - start
 
-
-def stream_load(base_url: str, calls: Sequence[ChatCall],
-                concurrency: int) -> tuple[list[StreamResult], float]:
-    """Every call as a stream, at most `concurrency` at once; the results and wall time."""
-    return asyncio.run(_gather(base_url, calls, concurrency, stream=True))
-
-
-def post_all(base_url: str, calls: Sequence[ChatCall], concurrency: int) -> list[ChatResult]:
-    """Every call as one JSON response, at most `concurrency` at once."""
-    results, _ = asyncio.run(_gather(base_url, calls, concurrency, stream=False))
-    return results
+    return asyncio.run(run())
 
 
-def scrape_counters(base_url: str, prefixes: Sequence[str] = ("loraplex_structured_",
-                                                              "loraplex_grammar_")
-                    ) -> dict[str, float]:
-    """The /metrics samples whose names start with one of `prefixes`."""
-    text = httpx.get(f"{base_url}/metrics", timeout=30).text
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("#") or not line.startswith(tuple(prefixes)):
-            continue
-        name, _, value = line.rpartition(" ")
-        out[name] = float(value)
-    return out
+def scrape_counter(base_url: str, name: str) -> float:
+    """The /metrics sample `name` (no labels); 0 where it is missing."""
+    for line in httpx.get(f"{base_url}/metrics", timeout=30).text.splitlines():
+        sample, _, value = line.rpartition(" ")
+        if sample == name:
+            return float(value)
+    return 0.0

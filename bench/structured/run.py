@@ -21,13 +21,16 @@ from __future__ import annotations
 
 import os
 import statistics
+import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from bench.harness.options import internal, opt
-from bench.harness.report import machine_description, save_report
+from bench.harness.report import ReportHead, machine_description, save_report
+from bench.harness.server import clean_env, loraplex_serve
+from bench.harness.workload import percentile
 from bench.lora import make_adapters
 from bench.structured.cases import (
     LOAD_PROMPTS,
@@ -36,13 +39,7 @@ from bench.structured.cases import (
     compile_schema,
     schema_format,
 )
-from bench.structured.load import (
-    ChatCall,
-    LoadSummary,
-    scrape_counters,
-    scratch_server,
-    stream_load,
-)
+from bench.structured.load import ChatCall, LoadSummary, scrape_counter, send_all, stream_chat
 from bench.structured.validity import Validity, run_validity, validity_adapters
 from engine.config import default_data_dir
 from engine.models.loader import load_model_config, resolve_model_dir
@@ -109,10 +106,7 @@ class CompileFigures:
 
 
 @dataclass(slots=True)
-class StructuredReport:
-    options: dict[str, Any]
-    machine: str
-    started_at: str
+class StructuredReport(ReportHead):
     load_average_before: list[float]
     load_average_after: list[float]
     runs: list[LoadRun]
@@ -151,11 +145,6 @@ def load_calls(opts: StructuredOptions, adapters: list[str], constrained: bool
     return calls
 
 
-def step_time_adapters(opts: StructuredOptions, model_dir: Path) -> dict[str, Path]:
-    return make_adapters(Path("bench/results/adapters"), load_model_config(model_dir),
-                         opts.num_adapters, rank=opts.rank, targets="attention", seed=opts.seed)
-
-
 def run_step_time(opts: StructuredOptions, base_url: str, names: list[str],
                   say: Any) -> list[LoadRun]:
     loads = {"constrained": load_calls(opts, names, True), "free": load_calls(opts, names, False)}
@@ -164,21 +153,17 @@ def run_step_time(opts: StructuredOptions, base_url: str, names: list[str],
     warm = [ChatCall(chat_body(n, "Hi", 2, temperature=0), "warm") for n in names]
     warm.append(ChatCall(chat_body(names[0], "Hi", 2, temperature=0,
                                     response_format=schema_format("p", LOAD_SCHEMA)), "warm"))
-    stream_load(base_url, warm, len(warm))
+    send_all(base_url, warm, len(warm), stream_chat)
     for round_ in range(opts.repeats):
         order = ["constrained", "free"] if round_ % 2 == 0 else ["free", "constrained"]
         for load in order:
-            before = scrape_counters(base_url).get(_STRUCTURED, 0.0)
-            results, wall = stream_load(base_url, loads[load], opts.num_requests)
-            after = scrape_counters(base_url).get(_STRUCTURED, 0.0)
-            halves = {label: [r for r in results if r.label == label]
-                      for label in ("constrained", "free")}
-            mixed = load == "constrained"
-            run = LoadRun(
-                load, round_, LoadSummary.of(results, wall),
-                LoadSummary.of(halves["constrained"], wall) if mixed else None,
-                LoadSummary.of(halves["free"], wall) if mixed else None,
-                int(after - before))
+            before = scrape_counter(base_url, _STRUCTURED)
+            results, wall = send_all(base_url, loads[load], opts.num_requests, stream_chat)
+            after = scrape_counter(base_url, _STRUCTURED)
+            halves = {label: LoadSummary.of([r for r in results if r.label == label], wall)
+                      for label in ("constrained", "free") if load == "constrained"}
+            run = LoadRun(load, round_, LoadSummary.of(results, wall), halves.get("constrained"),
+                          halves.get("free"), int(after - before))
             runs.append(run)
             say(f"{load:>12} round {round_ + 1}: TPOT p50 "
                 f"{run.summary.tpot_p50_s * 1e3:.1f} ms, gap p50 "
@@ -208,8 +193,6 @@ def ratios(runs: list[LoadRun]) -> dict[str, Any]:
 
 
 def _stats(samples_s: list[float]) -> dict[str, float]:
-    from bench.harness.workload import percentile
-
     ordered = sorted(s * 1e3 for s in samples_s)
     return {"n": len(ordered), "p50": round(percentile(ordered, 50), 3),
             "p99": round(percentile(ordered, 99), 3), "max": round(ordered[-1], 3)}
@@ -225,9 +208,7 @@ def run_compiles(opts: StructuredOptions, model_dir: Path) -> CompileFigures:
     start = time.perf_counter()
     compiler = GrammarCompiler(tokenizer, vocab_size=vocab_size)
     info_ms = (time.perf_counter() - start) * 1e3
-    cold: list[float] = []
-    worker: list[float] = []
-    cached: list[float] = []
+    cold, worker, cached = [], [], []  # seconds
     try:
         for i in range(opts.compile_runs):
             spec = StructuredOutput.json_schema(compile_schema(i), strict=True)
@@ -260,7 +241,9 @@ def run_structured(options: StructuredOptions) -> StructuredReport:
     compile_figures = run_compiles(opts, model_dir)
     say(f"compile: cold p50 {compile_figures.cold_ms['p50']:.1f} ms, cached p50 "
         f"{compile_figures.cached_ms['p50']:.3f} ms")
-    load_adapters = step_time_adapters(opts, model_dir)
+    load_adapters = make_adapters(Path("bench/results/adapters"), load_model_config(model_dir),
+                                  opts.num_adapters, rank=opts.rank, targets="attention",
+                                  seed=opts.seed)
     demo, source = validity_adapters(opts.adapters_dir, model_dir, say)
     clash = set(load_adapters) & set(demo)
     if clash:
@@ -273,10 +256,14 @@ def run_structured(options: StructuredOptions) -> StructuredReport:
     serve = ["--max-loras", str(opts.num_adapters),
              "--max-num-seqs", str(max(opts.num_requests, opts.validity_concurrency)),
              "--no-enable-prefix-caching", *flags]  # fmt: skip
-    with scratch_server(model_dir, serve) as base_url:
-        runs = run_step_time(opts, base_url, list(load_adapters), say)
+    # The server's database, spool and adapter store: a temporary directory.
+    with tempfile.TemporaryDirectory(prefix="loraplex-structured-") as data_dir, \
+            loraplex_serve(["--model", str(model_dir), *serve],
+                           env=clean_env(LORAPLEX_DATA_DIR=data_dir),
+                           log_path=Path(data_dir) / "serve.log") as server:
+        runs = run_step_time(opts, server.base_url, list(load_adapters), say)
         validity = run_validity(
-            base_url, demo, source, schema_requests=opts.schema_requests,
+            server.base_url, demo, source, schema_requests=opts.schema_requests,
             tool_requests=opts.tool_requests, concurrency=opts.validity_concurrency,
             max_tokens=opts.validity_max_tokens, seed=opts.seed)
     report = StructuredReport(

@@ -18,7 +18,7 @@ from bench.structured.cases import (
     check_tool_calls,
     schema_format,
 )
-from bench.structured.load import ChatCall, post_all
+from bench.structured.load import ChatCall, post_chat, send_all
 from engine.config import default_data_dir
 
 
@@ -99,21 +99,21 @@ def run_validity(base_url: str, adapters: dict[str, Path], source: str, *,
         tool_calls.append((ChatCall(body, tool_case.name), i % len(TOOL_CASES), prompt))
 
     failures: list[Failure] = []
-    schema_results = post_all(base_url, [c for c, _, _ in schema_calls], concurrency)
-    tool_results = post_all(base_url, [c for c, _, _ in tool_calls], concurrency)
-    for (call, index, prompt), result in zip(schema_calls, schema_results, strict=True):
-        content = result.message.get("content")
-        error = (f"HTTP {result.status}: {result.error}" if result.status != 200 else
-                 check_document(content, SCHEMA_CASES[index].schema, result.finish_reason))
-        if error is not None:
-            failures.append(Failure("schema", call.label, call.body["model"], prompt,
-                                    call.body["seed"], error, str(content)))
-    for (call, index, prompt), result in zip(tool_calls, tool_results, strict=True):
-        error = (f"HTTP {result.status}: {result.error}" if result.status != 200 else
-                 check_tool_calls(result.message, TOOL_CASES[index], result.finish_reason))
-        if error is not None:
-            failures.append(Failure("tools", call.label, call.body["model"], prompt,
-                                    call.body["seed"], error, json.dumps(result.message)))
+    for check, calls in (("schema", schema_calls), ("tools", tool_calls)):
+        results, _ = send_all(base_url, [c for c, _, _ in calls], concurrency, post_chat)
+        for (call, index, prompt), result in zip(calls, results, strict=True):
+            content = result.message.get("content")
+            error: str | None
+            if result.status != 200:
+                error = f"HTTP {result.status}: {result.error}"
+            elif check == "schema":
+                error = check_document(content, SCHEMA_CASES[index].schema, result.finish_reason)
+            else:
+                error = check_tool_calls(result.message, TOOL_CASES[index], result.finish_reason)
+            if error is not None:
+                output = str(content) if check == "schema" else json.dumps(result.message)
+                failures.append(Failure(check, call.label, call.body["model"], prompt,
+                                        call.body["seed"], error, output))
     num_schema_failed = sum(f.check == "schema" for f in failures)
     return Validity(
         adapters={k: str(v) for k, v in adapters.items()}, adapters_source=source,

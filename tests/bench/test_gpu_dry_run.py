@@ -12,8 +12,7 @@ from typing import Any
 
 import pytest
 
-from bench.gpu.check import STEPS
-from bench.gpu.report import LOG_NAME, NOT_APPLICABLE_CPU, OK, REPORT_NAME
+from bench.gpu.check import LOG_NAME, NOT_APPLICABLE_CPU, OK, REPORT_NAME, STEPS
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # The steps whose figure needs a GPU: they run what they can and say so.
@@ -124,8 +123,7 @@ def test_steps_report_their_fields(report: dict[str, Any]) -> None:
 def test_without_triton_the_kernel_steps_are_not_applicable(tmp_path: Path) -> None:
     # The interpreter runs the kernels on the CPU; a machine without triton (the demo's
     # install, say) runs the other steps, and the kernel steps say why they did not run.
-    from bench.gpu.check import TRITON_STEPS
-    from bench.gpu.report import NOT_APPLICABLE_NO_TRITON
+    from bench.gpu.check import NOT_APPLICABLE_NO_TRITON, TRITON_STEPS
 
     blocked = ("import sys; sys.modules['triton'] = None\n"
                "from bench.gpu.check import main; raise SystemExit(main())")

@@ -1,6 +1,6 @@
 """The GPU check's correctness tests (marker `gpu`; bench/gpu/run.sh runs them): compiled
 on CUDA, else the Triton kernels in triton's interpreter on the CPU. The shapes are the
-plan's (bench/gpu/plans.py): LORAPLEX_GPU_PLAN=gpu takes the GPU plan's (the check sets it
+plan's (bench/gpu/models.py): LORAPLEX_GPU_PLAN=gpu takes the GPU plan's (the check sets it
 on a GPU), anything else the dry run's tiny ones."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from bench.gpu.check import PLAN_ENV, has_triton
-from bench.gpu.plans import DRY_RUN_PLAN, GPU_PLAN, Plan
+from bench.gpu.models import DRY_RUN_PLAN, GPU_PLAN, Plan
 
 # NOTE: triton reads TRITON_INTERPRET when @triton.jit decorates a kernel, that is when
 # loraplex_kernels.lora_shrink / .lora_expand are first imported; conftest runs before

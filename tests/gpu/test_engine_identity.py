@@ -5,25 +5,18 @@ check's report)."""
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from bench.gpu.engine_runs import (
-    close_core,
-    engine_requests,
-    hf_greedy,
-    hf_teacher_forced_top1,
-    load_peft,
-    make_core,
-    release,
-    run_engine,
-)
-from bench.gpu.models import build_random_model
-from bench.gpu.plans import IdentityPlan, Plan
+from bench.gpu.engine_throughput import close_core, engine_requests, make_core, run_engine
+from bench.gpu.models import IdentityPlan, Plan, build_random_model
 from bench.harness.adapters import ALL_LINEAR, ATTENTION, write_random_adapter
 from bench.harness.workload import BenchRequest, make_requests
+from bench.hf_baseline import load_peft
 from engine.core.engine_core import EngineCore
 from engine.models.loader import load_model_config
 
@@ -174,3 +167,45 @@ def _first_difference(got: list[int], want: list[int]) -> int:
 
 def _agreement(got: list[int], want: list[int]) -> float:
     return round(sum(a == b for a, b in zip(got, want, strict=True)) / max(len(want), 1), 4)
+
+
+def release() -> None:
+    """Return the device memory of what the caller dropped to the driver, so that the
+    next engine sizes its KV cache from it."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def _pad_id(model: Any) -> int:
+    eos = model.generation_config.eos_token_id
+    return eos if isinstance(eos, int) else (eos[0] if eos else 0)
+
+
+@torch.inference_mode()
+def hf_greedy(model: Any, prompt_token_ids: list[int], max_new_tokens: int) -> list[int]:
+    """Greedy token ids HF `generate` gives after the prompt alone (EOS included when it
+    stops on one), on the model's device."""
+    device = next(model.parameters()).device
+    ids = torch.tensor([prompt_token_ids], device=device)
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        pad_token_id=_pad_id(model),
+    )
+    return [int(t) for t in out[0, ids.shape[1] :]]
+
+
+@torch.inference_mode()
+def hf_teacher_forced_top1(
+    model: Any, prompt_token_ids: list[int], continuation: list[int]
+) -> list[int]:
+    """The model's argmax after prompt + continuation[:k], for every k, in one forward."""
+    device = next(model.parameters()).device
+    ids = torch.tensor([prompt_token_ids + continuation[:-1]], device=device)
+    logits = model(input_ids=ids).logits[0]  # [L, V]
+    first = len(prompt_token_ids) - 1
+    return logits[first : first + len(continuation)].argmax(-1).tolist()

@@ -18,7 +18,7 @@ from bench.gpu.kernel_checks import (
     make_mixed_problem,
     shrink,
 )
-from bench.gpu.plans import Plan
+from bench.gpu.models import Plan
 from loraplex_kernels import reference as ref
 from tests.gpu.test_lora_kernels import TOLERANCES
 
