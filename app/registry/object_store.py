@@ -98,8 +98,11 @@ def _failure(exc: BaseException, what: str) -> Exception:
 def _store_errors() -> tuple[type[BaseException], ...]:
     from boto3.exceptions import Boto3Error
     from botocore.exceptions import BotoCoreError, ClientError
+    from urllib3.exceptions import HTTPError
 
-    return (BotoCoreError, ClientError, Boto3Error)
+    # NOTE: a connection lost while a body streams surfaces from urllib3 (or as a plain
+    # ConnectionError / TimeoutError), not always wrapped by botocore.
+    return (BotoCoreError, ClientError, Boto3Error, HTTPError, ConnectionError, TimeoutError)
 
 
 class ObjectStore:
@@ -187,12 +190,14 @@ class ObjectStore:
             raise _failure(e, f"deleting {digest[:12]}") from None
 
     def digests(self) -> dict[str, datetime]:
-        """Every stored digest with the time its config was last written."""
+        """Every digest with a file stored (an upload cut short included, for orphan
+        collection), with the time its files were last written."""
         found: dict[str, datetime] = {}
         for obj in self._list(self.url.bucket, self.url.prefix, "listing the adapter store"):
             digest, _, name = obj["Key"].removeprefix(self.url.prefix).partition("/")
-            if _DIGEST.fullmatch(digest) and name == CONFIG_FILE:
-                found[digest] = obj["LastModified"]
+            if _DIGEST.fullmatch(digest) and name in ADAPTER_FILES:
+                at = obj["LastModified"]
+                found[digest] = max(found.get(digest, at), at)
         return found
 
     def _list(self, bucket: str, prefix: str, what: str) -> Iterator[dict[str, Any]]:

@@ -109,7 +109,7 @@ class AdapterStore:
         BlobCorrupt, StoreUnavailable from the object store."""
         path = self.path(digest)
         if self.has(digest):
-            with contextlib.suppress(FileNotFoundError):
+            with contextlib.suppress(OSError):  # gone meanwhile, or not ours to touch
                 os.utime(path)  # recently used
             return path
         if self.remote is None:

@@ -411,3 +411,43 @@ def test_import_and_gc_from_the_command_line(
         assert json.loads(result.output) == {"removed": [digest]}
         assert ObjectStore(store_url).digests() == {}
         assert AdapterStore(tmp_path / "a").digests() == []
+
+
+async def test_a_store_cut_during_an_upload_leaves_nothing(
+    database_url: str, store_url: str, proxy: TcpProxy, tmp_path: Path
+) -> None:
+    import threading
+
+    digest = write_adapter(tmp_path / "adapter", seed=7, weights_bytes=24 * 1024 * 1024)
+    engine = CheckingEngine(max_adapter_bytes=64 * 1024 * 1024)
+    app = create_app(engine, Settings(
+        data_dir=tmp_path / "a", database_url=database_url, admin_key=ADMIN_KEY,
+        secret_key=SECRET_KEY, adapter_store=store_url,
+    ))
+    before = proxy.accepted
+
+    def cut_once_the_upload_connects() -> None:
+        deadline = time.monotonic() + 60
+        while proxy.accepted == before and time.monotonic() < deadline:
+            time.sleep(0.002)
+        time.sleep(0.05)  # some of the weights on their way
+        proxy.cut()
+
+    async with app.router.lifespan_context(app), httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://testserver"
+    ) as client:
+        cutter = threading.Thread(target=cut_once_the_upload_connects)
+        cutter.start()
+        r = await _upload(Replica(app, client, engine, tmp_path / "a"), tmp_path / "adapter",
+                          "big-bot")
+        cutter.join()
+        assert r.status_code == 503, r.text
+        assert "adapter store" in r.json()["error"]["message"]
+        assert (_count(database_url, Adapter), _count(database_url, AdapterVersion)) == (0, 0)
+        store = AdapterStore(tmp_path / "a")
+        assert store.digests() == [] and list(store.tmp.iterdir()) == []
+        assert engine.list_adapters() == []
+    proxy.restore()
+    # Nothing servable: at most the weights, cut short or whole, which orphan collection
+    # removes (no version uses them).
+    assert not ObjectStore(store_url).has(digest)

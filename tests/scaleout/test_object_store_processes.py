@@ -13,8 +13,11 @@ from pathlib import Path
 
 import httpx
 import pytest
+from sqlalchemy import func, select
 
+from app.db import make_engine, session_factory, session_scope
 from app.registry.object_store import ObjectStore
+from app.tables import UsageRecord
 from engine.client import WORKER_HEADER
 from tests.scaleout.test_gateway_processes import TOKEN, _ask, _gateway
 from tests.utils.peft_adapters import make_peft_adapter
@@ -68,6 +71,12 @@ def test_workers_sharing_only_the_store_serve_an_upload_and_survive_its_outage(
             return sorted(w["id"] for w in view.json()["workers"] if w["in_rotation"])
 
         wait_until(lambda: in_rotation() == ["w1", "w2"], 120, "two workers", all_logs)
+        answers: list[httpx.Response] = []
+
+        def ask(model: str) -> httpx.Response:
+            answers.append(_ask(client, model))
+            return answers[-1]
+
         digests = {}
         for name, directory in adapters.items():
             r = upload_adapter(client, ADMIN_KEY, name, directory, path="/admin/adapters")
@@ -76,7 +85,7 @@ def test_workers_sharing_only_the_store_serve_an_upload_and_survive_its_outage(
         with aws_environment(endpoint):
             assert set(ObjectStore("s3://fleet/adapters").digests()) == set(digests.values())
 
-        first = [_ask(client, "first") for _ in range(2)]
+        first = [ask("first") for _ in range(2)]
         assert [r.status_code for r in first] == [200, 200], first[0].text
         served_by = first[0].headers[WORKER_HEADER]
         other = "w2" if served_by == "w1" else "w1"
@@ -102,7 +111,7 @@ def test_workers_sharing_only_the_store_serve_an_upload_and_survive_its_outage(
         workers[served_by].kill()
         workers[served_by].wait(10)
         wait_until(lambda: in_rotation() == [other], 30, "one worker left", all_logs)
-        again = _ask(client, "first")
+        again = ask("first")
         assert again.status_code == 200, again.text + log_tail(logs[other])
         assert again.headers[WORKER_HEADER] == other
         assert again.json()["choices"][0]["message"] == first[0].json()["choices"][0]["message"]
@@ -110,15 +119,15 @@ def test_workers_sharing_only_the_store_serve_an_upload_and_survive_its_outage(
 
         # The store goes: what the worker has keeps serving; what it lacks fails alone.
         proxy.cut()
-        refused = _ask(client, missing)
+        refused = ask(missing)
         assert refused.status_code == 503, refused.text
         assert refused.headers["retry-after"]
         error = refused.json()["error"]
         assert error["code"] == "adapter_unavailable", error
         assert error["message"] == (f"The adapter '{missing}' cannot be fetched from the "
                                     "adapter store right now; retry shortly.")
-        assert _ask(client, "first").status_code == 200
-        assert _ask(client, model_dir.name).status_code == 200
+        assert ask("first").status_code == 200
+        assert ask(model_dir.name).status_code == 200
         assert client.get("/ready").status_code == 200
         worker_ready = httpx.get(  # the worker itself
             next(w["url"] for w in client.get("/admin/engine", headers=bearer(ADMIN_KEY))
@@ -127,7 +136,21 @@ def test_workers_sharing_only_the_store_serve_an_upload_and_survive_its_outage(
 
         proxy.restore()
         deadline = time.monotonic() + 30
-        while (r := _ask(client, missing)).status_code != 200:
+        while (r := ask(missing)).status_code != 200:
             assert time.monotonic() < deadline, r.text + log_tail(logs[other])
             time.sleep(0.5)
         assert (tmp_path / other / "adapters" / digests[missing]).is_dir()
+
+        # No usage row lost: one for each answer, "ok" for each 200.
+        def usage() -> dict[str, int]:
+            engine = make_engine(sqlite_url)
+            try:
+                with session_scope(session_factory(engine)) as s:
+                    return dict(s.execute(select(UsageRecord.status, func.count())
+                                          .group_by(UsageRecord.status)).all())
+            finally:
+                engine.dispose()
+
+        oks = sum(r.status_code == 200 for r in answers)
+        wait_until(lambda: usage().get("ok") == oks, 15, f"{oks} ok usage rows", all_logs)
+        assert sum(usage().values()) == len(answers), (usage(), len(answers))
