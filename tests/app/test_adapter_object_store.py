@@ -328,18 +328,18 @@ HOSTILE_IMPORTS: dict[str, tuple[dict[str, bytes], int, str]] = {
 
 @pytest.mark.parametrize("case", sorted(HOSTILE_IMPORTS))
 async def test_hostile_imports_are_refused_and_leave_nothing(
-    moto: str, database_url: str, store_url: str, tmp_path: Path, case: str
+    moto: str, sqlite_url: str, store_url: str, tmp_path: Path, case: str
 ) -> None:
     bucket = store_url.removeprefix("s3://").split("/")[0]
     objects, status, message = HOSTILE_IMPORTS[case]
     _put(moto, bucket, objects)
-    async with replica(database_url, tmp_path / "a", store_url) as a:
+    async with replica(sqlite_url, tmp_path / "a", store_url) as a:
         r = await a.client.post("/admin/adapters/import", headers=ADMIN, json={
             "name": "imported", "source": f"s3://{bucket}/in/"})
         assert r.status_code == status, r.text
         assert r.json()["error"]["param"] == "source"
         assert message in r.json()["error"]["message"]
-        assert (_count(database_url, Adapter), _count(database_url, AdapterVersion)) == (0, 0)
+        assert (_count(sqlite_url, Adapter), _count(sqlite_url, AdapterVersion)) == (0, 0)
         store = AdapterStore(tmp_path / "a")
         assert store.digests() == [] and list(store.tmp.iterdir()) == []
         assert ObjectStore(store_url).digests() == {}
@@ -348,13 +348,13 @@ async def test_hostile_imports_are_refused_and_leave_nothing(
 @pytest.mark.parametrize("source", ["s3://Not_A_Bucket/x", "https://example.com/x",
                                     "s3://bucket/../x", ""])
 async def test_imports_from_what_is_not_an_s3_prefix_are_400(
-    database_url: str, store_url: str, tmp_path: Path, source: str
+    sqlite_url: str, store_url: str, tmp_path: Path, source: str
 ) -> None:
-    async with replica(database_url, tmp_path / "a", store_url) as a:
+    async with replica(sqlite_url, tmp_path / "a", store_url) as a:
         r = await a.client.post("/admin/adapters/import", headers=ADMIN,
                                 json={"name": "imported", "source": source})
         assert r.status_code == 400, r.text
-        assert _count(database_url, Adapter) == 0
+        assert _count(sqlite_url, Adapter) == 0
 
 
 async def test_an_import_while_the_store_is_down_is_503_and_leaves_nothing(
@@ -414,14 +414,14 @@ def test_import_and_gc_from_the_command_line(
 
 
 async def test_a_store_cut_during_an_upload_leaves_nothing(
-    database_url: str, store_url: str, proxy: TcpProxy, tmp_path: Path
+    sqlite_url: str, store_url: str, proxy: TcpProxy, tmp_path: Path
 ) -> None:
     import threading
 
     digest = write_adapter(tmp_path / "adapter", seed=7, weights_bytes=24 * 1024 * 1024)
     engine = CheckingEngine(max_adapter_bytes=64 * 1024 * 1024)
     app = create_app(engine, Settings(
-        data_dir=tmp_path / "a", database_url=database_url, admin_key=ADMIN_KEY,
+        data_dir=tmp_path / "a", database_url=sqlite_url, admin_key=ADMIN_KEY,
         secret_key=SECRET_KEY, adapter_store=store_url,
     ))
     before = proxy.accepted
@@ -443,7 +443,7 @@ async def test_a_store_cut_during_an_upload_leaves_nothing(
         cutter.join()
         assert r.status_code == 503, r.text
         assert "adapter store" in r.json()["error"]["message"]
-        assert (_count(database_url, Adapter), _count(database_url, AdapterVersion)) == (0, 0)
+        assert (_count(sqlite_url, Adapter), _count(sqlite_url, AdapterVersion)) == (0, 0)
         store = AdapterStore(tmp_path / "a")
         assert store.digests() == [] and list(store.tmp.iterdir()) == []
         assert engine.list_adapters() == []

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import httpx
@@ -29,13 +30,27 @@ def imports(tmp_path: Path) -> Path:
     return root
 
 
-@pytest.fixture
-async def server(database_url: str, tmp_path: Path, imports: Path) -> AsyncIterator[Server]:
+@asynccontextmanager
+async def _server(database_url: str, tmp_path: Path, imports: Path) -> AsyncIterator[Server]:
     engine = CheckingEngine(max_adapter_bytes=MiB)
     other = tmp_path / "also-allowed"
     other.mkdir()
     async with running(engine, database_url, tmp_path / "data",
                        adapter_import_dirs=f"{other}{os.pathsep}{imports}") as s:
+        yield s
+
+
+@pytest.fixture
+async def server(database_url: str, tmp_path: Path, imports: Path) -> AsyncIterator[Server]:
+    async with _server(database_url, tmp_path, imports) as s:
+        yield s
+
+
+@pytest.fixture
+async def sqlite_server(sqlite_url: str, tmp_path: Path, imports: Path
+                        ) -> AsyncIterator[Server]:
+    """For what no database decides (paths, bodies): one backend is enough."""
+    async with _server(sqlite_url, tmp_path, imports) as s:
         yield s
 
 
@@ -102,7 +117,9 @@ async def test_load_serve_reload_and_unload_with_vllm_shapes(
     assert [a for a, _, _ in server.audit()][-1] == "adapter.delete"
 
 
-async def test_tenant_keys_cannot_load_or_unload(server: Server, imports: Path) -> None:
+async def test_tenant_keys_cannot_load_or_unload(sqlite_server: Server, imports: Path
+                                                 ) -> None:
+    server = sqlite_server
     source = adapter_dir(imports / "x")
     for role in ("a-writer", "a-reader"):
         r = await load(server, "x", source, role=role)
@@ -193,8 +210,9 @@ def _config(d: Path, **fields: object) -> Path:
 
 @pytest.mark.parametrize("case", sorted(HOSTILE))
 async def test_hostile_loads_are_refused_and_leave_nothing(
-    server: Server, imports: Path, tmp_path: Path, case: str
+    sqlite_server: Server, imports: Path, tmp_path: Path, case: str
 ) -> None:
+    server = sqlite_server
     outside = tmp_path / "outside"
     outside.mkdir()
     build, status, code, message = HOSTILE[case]
@@ -220,7 +238,9 @@ async def test_hostile_loads_are_refused_and_leave_nothing(
     {"lora_name": "../x", "lora_path": "/tmp"}, {"lora_name": "a/b", "lora_path": "/tmp"},
     {"lora_name": "x", "lora_path": "/tmp", "load_inplace": "maybe"},
 ])
-async def test_bad_load_bodies_are_400(server: Server, body: dict[str, object]) -> None:
+async def test_bad_load_bodies_are_400(sqlite_server: Server, body: dict[str, object]
+                                       ) -> None:
+    server = sqlite_server
     r = await server.client.post(LOAD, headers=ADMIN, json=body)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["message"]
@@ -229,7 +249,9 @@ async def test_bad_load_bodies_are_400(server: Server, body: dict[str, object]) 
 
 @pytest.mark.parametrize("body", [{}, {"lora_name": ""}, {"lora_name": "x", "other": 1},
                                   {"lora_name": ["x"]}])
-async def test_bad_unload_bodies_are_400(server: Server, body: dict[str, object]) -> None:
+async def test_bad_unload_bodies_are_400(sqlite_server: Server, body: dict[str, object]
+                                         ) -> None:
+    server = sqlite_server
     r = await server.client.post(UNLOAD, headers=ADMIN, json=body)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["message"]
