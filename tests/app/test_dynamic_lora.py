@@ -229,7 +229,7 @@ async def test_hostile_loads_are_refused_and_leave_nothing(
     assert server.engine.list_adapters() == []
 
 
-@pytest.mark.parametrize("body", [
+BAD_BODIES = [(LOAD, body) for body in (
     {}, {"lora_name": "x"}, {"lora_path": "/tmp"}, {"lora_name": "", "lora_path": "/tmp"},
     {"lora_name": "x", "lora_path": "/tmp", "surprise": 1},
     {"lora_name": 3, "lora_path": "/tmp"}, {"lora_name": "x", "lora_path": ["/tmp"]},
@@ -237,21 +237,15 @@ async def test_hostile_loads_are_refused_and_leave_nothing(
     {"lora_name": "x", "lora_path": "/tmp/\u0000x"},
     {"lora_name": "../x", "lora_path": "/tmp"}, {"lora_name": "a/b", "lora_path": "/tmp"},
     {"lora_name": "x", "lora_path": "/tmp", "load_inplace": "maybe"},
-])
-async def test_bad_load_bodies_are_400(sqlite_server: Server, body: dict[str, object]
-                                       ) -> None:
-    server = sqlite_server
-    r = await server.client.post(LOAD, headers=ADMIN, json=body)
-    assert r.status_code == 400, r.text
-    assert r.json()["error"]["message"]
-    assert server.count(Adapter) == 0
+)] + [(UNLOAD, body) for body in (
+    {}, {"lora_name": ""}, {"lora_name": "x", "other": 1}, {"lora_name": ["x"]},
+)]
 
 
-@pytest.mark.parametrize("body", [{}, {"lora_name": ""}, {"lora_name": "x", "other": 1},
-                                  {"lora_name": ["x"]}])
-async def test_bad_unload_bodies_are_400(sqlite_server: Server, body: dict[str, object]
-                                         ) -> None:
-    server = sqlite_server
-    r = await server.client.post(UNLOAD, headers=ADMIN, json=body)
+@pytest.mark.parametrize(("path", "body"), BAD_BODIES)
+async def test_bad_bodies_are_400(sqlite_server: Server, path: str, body: dict[str, object]
+                                  ) -> None:
+    r = await sqlite_server.client.post(path, headers=ADMIN, json=body)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["message"]
+    assert sqlite_server.count(Adapter) == 0
