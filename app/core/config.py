@@ -31,7 +31,8 @@ def is_loopback_host(host: str) -> bool:
 
 
 class AdapterStoreSettings(BaseSettings):
-    """Where adapter files live; gateways, servers and workers read it alike."""
+    """Where adapter files live; gateways, servers and workers read it alike (their
+    settings extend it, and its environment prefix)."""
 
     model_config = SettingsConfigDict(
         env_prefix="LORAPLEX_", populate_by_name=True, extra="ignore"
@@ -57,15 +58,10 @@ class AdapterStoreSettings(BaseSettings):
 
 
 class Settings(AdapterStoreSettings):
-    model_config = SettingsConfigDict(
-        env_prefix="LORAPLEX_", populate_by_name=True, extra="ignore"
-    )
-
     environment: Literal["development", "production"] = "development"
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
     no_auth: bool = False
-    data_dir: Path = Path("./var")
     # Bootstrap key of the admin API.
     admin_key: str | None = None
 
@@ -178,16 +174,12 @@ class Settings(AdapterStoreSettings):
 
 class WorkerSettings(AdapterStoreSettings):
     """`loraplex worker`: one engine behind the internal API. Read from the same
-    environment as Settings; a worker has no database, keys or tenants of its own."""
-
-    model_config = SettingsConfigDict(
-        env_prefix="LORAPLEX_", populate_by_name=True, extra="ignore"
-    )
+    environment as Settings; a worker has no database, keys or tenants of its own. Its
+    adapters are read from <data_dir>/adapters/ (the store gateways write to, or its cache
+    of the object store)."""
 
     host: str = "127.0.0.1"
     port: int = Field(default=8001, ge=0, le=65535)
-    # Adapters are read from <data_dir>/adapters/, the store gateways write to.
-    data_dir: Path = Path("./var")
     redis_url: str | None = Field(
         default=None, validation_alias=AliasChoices("redis_url", "REDIS_URL")
     )

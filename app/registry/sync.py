@@ -35,8 +35,8 @@ class EngineSync:
         self._pending: list[tuple[list[AdapterRef], list[AdapterRef], _Future[SyncResult]]] = []
         self._inflight: set[_Future[SyncResult]] = set()
         self._sync_lock = asyncio.Lock()
-        self._failed: dict[str, AdapterRef] = {}  # engine name -> version to retry
-        self._reasons: dict[str, str] = {}  # engine name -> why it failed last
+        # engine name -> the version to retry, and why it failed last
+        self._failed: dict[str, tuple[AdapterRef, str]] = {}
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         """From now on syncs run on `loop`; those asked for before run now."""
@@ -55,16 +55,17 @@ class EngineSync:
     @property
     def failed(self) -> dict[str, AdapterRef]:
         """Versions that could not be loaded here (tried again on every call)."""
-        return dict(self._failed)
+        return {name: ref for name, (ref, _) in self._failed.items()}
 
     def retry(self, engine_name: str) -> str | None:
         """Why a version could not be loaded here, None if it did not fail; a failed one
         is tried again now (in the background), so that a request for it, refused with
         that reason, may be retried."""
-        reason = self._reasons.get(engine_name) if engine_name in self._failed else None
-        if reason is not None:
-            self.on_versions_changed((), ())
-        return reason
+        failed = self._failed.get(engine_name)
+        if failed is None:
+            return None
+        self.on_versions_changed((), ())
+        return failed[1]
 
     def on_versions_changed(
         self, added: Sequence[AdapterRef], removed: Sequence[AdapterRef]
@@ -97,11 +98,10 @@ class EngineSync:
             gone = {ref.engine_name for ref in removed}
             for ref in removed:
                 self._failed.pop(ref.engine_name, None)
-                self._reasons.pop(ref.engine_name, None)
                 if self.engine.get_adapter(ref.engine_name) is not None:
                     await self.engine.remove_adapter(ref.engine_name)
                     done_removed.append(ref.engine_name)
-            todo = {ref.engine_name: ref for ref in [*self._failed.values(), *added]}
+            todo = {ref.engine_name: ref for ref in [*self.failed.values(), *added]}
             for name, ref in todo.items():
                 if name in gone or self.engine.get_adapter(name) is not None:
                     self._failed.pop(name, None)
@@ -113,11 +113,10 @@ class EngineSync:
                     # NOTE: one version this replica cannot load must not stop the others.
                     log.warning("adapter %s@%d (%s) not loaded on this replica: %s",
                                 ref.name, ref.version, name, e)
-                    self._failed[name] = ref
-                    self._reasons[name] = failed[name] = str(e)
+                    failed[name] = str(e)
+                    self._failed[name] = (ref, failed[name])
                     continue
                 self._failed.pop(name, None)
-                self._reasons.pop(name, None)
                 done_added.append(name)
         return SyncResult(added=tuple(done_added), removed=tuple(done_removed), failed=failed)
 

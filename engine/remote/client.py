@@ -349,7 +349,7 @@ class RemoteEngine:
         tried: set[str] = set()
         preferred = None if route is None else route.worker_id
         reasons: list[str] = []
-        fetch_failures: list[str] = []  # workers that could not fetch the adapter's files
+        fetch_failures = 0  # workers that could not fetch the adapter's files
         reregister = False
         for _ in range(self.max_attempts):
             worker = self._pick(query, tried, preferred)
@@ -388,14 +388,14 @@ class RemoteEngine:
                 tried.add(worker.worker_id)
                 reasons.append(f"{worker.worker_id}: {exc}")
                 if exc.code == AdapterUnavailable.code:
-                    fetch_failures.append(str(exc))
+                    fetch_failures += 1
             finally:
                 self.pool.inflight[worker.worker_id] -= 1
                 if self.pool.inflight[worker.worker_id] <= 0:
                     del self.pool.inflight[worker.worker_id]
                 self._running.pop(request_id, None)
         detail = "; ".join(reasons) if reasons else _no_worker_reason(query)
-        if fetch_failures and len(fetch_failures) == len(reasons):
+        if fetch_failures and fetch_failures == len(reasons):
             raise AdapterUnavailable(
                 f"the adapter '{adapter}' cannot be fetched from the adapter store right now "
                 f"({detail})"
