@@ -18,6 +18,7 @@ from app.plan_cli import plan
 from app.scaleout_cli import gateway, worker
 from app.server_options import (
     engine_config,
+    engine_option,
     engine_options,
     installed_mounts,
     load_settings,
@@ -119,13 +120,17 @@ def serve(
 @main.command()
 @click.option("--port", default=None, type=click.IntRange(0, 65535),
               help="Port to bind [default: 8000].")
-def demo(port: int | None) -> None:
+@engine_option("--quantization")
+@engine_option("--quantization-group-size")
+def demo(port: int | None, quantization: str, quantization_group_size: int | None) -> None:
     """Serve the bundled model on 127.0.0.1 with demo tenants, keys and small LoRA
     adapters trained on it (once, then cached), and print what to try."""
     from app.demo.run import run_demo
 
     setup_logging()
-    run_demo(load_settings(host="127.0.0.1", port=port))
+    settings = load_settings(host="127.0.0.1", port=port)
+    run_demo(settings, engine_config(data_dir=settings.data_dir, quantization=quantization,
+                                     quantization_group_size=quantization_group_size))
 
 
 

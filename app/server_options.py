@@ -212,8 +212,17 @@ ENGINE_OPTIONS: dict[str, dict[str, Any]] = {
     "--device": dict(default="auto", show_default=True, help="auto | cpu | cuda | cuda:N"),
     "--dtype": dict(default="auto", show_default=True, envvar="LORAPLEX_DTYPE",
                     type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
-                    help="auto: bfloat16 on CUDA and on CPUs with AMX-BF16 or AVX-512 BF16, "
-                         "float32 on other CPUs."),
+                    help="auto: bfloat16 on CUDA and on CPUs with AMX-BF16, or with AVX-512 "
+                         "BF16 where a bf16 matmul timed at start beats float32's; float32 "
+                         "on other CPUs."),
+    "--quantization": dict(default="none", show_default=True, envvar="LORAPLEX_QUANTIZATION",
+                           type=click.Choice(["none", "int8", "int4", "fp8"]),
+                           help="Weight-only quantization of the base model's decoder "
+                                "layers (CPU): int8 per output channel, int4 in groups; "
+                                "adapters, activations and the KV cache keep --dtype."),
+    "--quantization-group-size": dict(
+        default=None, type=click.IntRange(min=2),
+        help="Inputs per quantization group (default: per channel for int8, 32 for int4)."),
     "--max-loras": dict(default=8, show_default=True, type=click.IntRange(min=1),
                         help="Adapters resident on the device at once."),
     "--max-cpu-loras": dict(default=64, show_default=True, type=click.IntRange(min=1),

@@ -111,6 +111,8 @@ class EngineStats:
     # What the engine computes in and on ("" where several engines are summed).
     dtype: str = ""  # float32 | bfloat16 | float16
     compute: str = ""  # the CPU and its bf16 units, or the GPU's name
+    quantization: str = ""  # the base weights' scheme: "none", "int8 (per channel)", ...
+    weight_bytes: int = 0  # the base model's weights as held (quantized, packed copies)
 
 
 @dataclass(slots=True)

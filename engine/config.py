@@ -5,9 +5,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from loraplex_kernels.cpu_build import KernelSettings, env_cache_dir, env_switch
+
+if TYPE_CHECKING:
+    import torch
 
 
 def default_data_dir() -> Path:
@@ -24,12 +27,76 @@ def default_dtype() -> str:
     return os.environ.get("LORAPLEX_DTYPE", "auto")
 
 
+# Weight-only quantization of a base model (engine/models/quantized.py).
+SCHEMES = ("none", "int8", "int4", "fp8")
+DEFAULT_INT4_GROUP_SIZE = 32
+
+
+@dataclass(frozen=True, slots=True)
+class QuantizationSpec:
+    scheme: str = "none"  # one of SCHEMES
+    group_size: int | None = None  # None: per channel for int8, DEFAULT_INT4_GROUP_SIZE for int4
+
+    def __post_init__(self) -> None:
+        if self.scheme not in SCHEMES:
+            raise ValueError(f"unknown quantization {self.scheme!r} ({', '.join(SCHEMES)})")
+        if self.group_size is not None:
+            if self.scheme not in ("int8", "int4"):
+                raise ValueError("--quantization-group-size applies to int8 and int4 only")
+            if self.group_size < 2 or self.group_size % 2:
+                raise ValueError(
+                    f"--quantization-group-size must be an even number >= 2, got {self.group_size}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.scheme != "none"
+
+    @property
+    def bits(self) -> int:
+        return {"int8": 8, "int4": 4, "fp8": 8}.get(self.scheme, 0)
+
+    def group_for(self, in_features: int) -> int | None:
+        """The group size a layer is quantized with (None: one group per output channel,
+        whatever its `in_features`)."""
+        if self.scheme == "int4":
+            return self.group_size or DEFAULT_INT4_GROUP_SIZE
+        return self.group_size
+
+    def check_device(self, device: torch.device) -> None:
+        """Refuse, in one line, a scheme this device cannot serve."""
+        import torch
+
+        if self.scheme == "fp8":
+            if device.type != "cuda":
+                raise ValueError(
+                    "--quantization fp8 needs a CUDA GPU of compute capability 8.9 or newer "
+                    "(fp8 units); on this CPU use int8 or int4")
+            major, minor = torch.cuda.get_device_capability(device)
+            if (major, minor) < (8, 9):
+                raise ValueError(
+                    f"--quantization fp8 needs compute capability 8.9 or newer; "
+                    f"{torch.cuda.get_device_name(device)} has {major}.{minor}: use int8 "
+                    "or int4")
+            raise ValueError("--quantization fp8 is not served in this version: use int8 "
+                             "or int4 (on the CPU)")
+        if self.enabled and device.type != "cpu":
+            raise ValueError(f"--quantization {self.scheme} runs on the CPU in this version; "
+                             f"{device} serves unquantized weights (--quantization none)")
+
+    def describe(self) -> str:
+        if not self.enabled:
+            return "none"
+        group = self.group_for(0)
+        return f"{self.scheme} ({'per channel' if group is None else f'groups of {group}'})"
+
+
 @dataclass(slots=True)
 class EngineConfig:
     model: str = "default"  # "default" (bundled SmolLM2) or a local HF directory
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     # auto | float32 | bfloat16 | float16; auto: bf16 on CUDA (fp16 where it lacks bf16) and
-    # on CPUs with AMX-BF16 or AVX-512 BF16 (engine/runtime/cpu_features.py), else float32.
+    # on CPUs with AMX-BF16, or AVX-512 BF16 where bf16 timed faster at start
+    # (engine/runtime/cpu_features.py), else float32.
     dtype: str = field(default_factory=default_dtype)
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -60,6 +127,12 @@ class EngineConfig:
     max_cpu_loras: int = 64
     max_lora_rank: int = 64
     num_threads: int | None = None  # torch intra-op threads on CPU; None: all cores
+    # Weight-only quantization of the decoder layers' linear layers (engine/models/
+    # quantized.py): none | int8 | int4 | fp8; quantization_group_size None: per output
+    # channel for int8, 32 inputs for int4.
+    quantization: str = field(
+        default_factory=lambda: os.environ.get("LORAPLEX_QUANTIZATION", "none"))
+    quantization_group_size: int | None = None
     # CPU: run linear layers on oneDNN-packed weights (see engine/models/cpu_linear.py).
     pack_cpu_weights: bool = True
     # CPU: the C kernels (loraplex_kernels/cpu_build.py). cpu_kernels False runs every op
@@ -100,6 +173,7 @@ class EngineConfig:
     grammar_mask_threads: int | None = 1
 
     def __post_init__(self) -> None:
+        QuantizationSpec(self.quantization, self.quantization_group_size)  # refuses bad ones
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.max_num_seqs < 1:

@@ -25,6 +25,7 @@ from engine.models.attention import (
 )
 from engine.models.base import CausalLM
 from engine.models.cpu_linear import amx_weight_bytes, pack_linears, packing_available
+from engine.models.quantized import QuantizationSpec, quantize_linears, weight_bytes
 from engine.models.loader import (
     ModelConfig,
     iter_safetensors,
@@ -96,7 +97,7 @@ def describe_compute(device: torch.device) -> str:
     """The processor a step runs on, as the startup line and /admin/engine show it."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    return cpu_features.detect_cpu_features().describe()
+    return cpu_features.describe_dtype_choice()
 
 
 def _cuda_supports_bf16(dev: torch.device) -> bool:
@@ -129,6 +130,8 @@ class ModelRunner:
         self.model_config: ModelConfig = validate_model_dir(self.model_dir)
         self.device, self.dtype = resolve_device_dtype(config.device, config.dtype)
         self.compute = describe_compute(self.device)  # what the dtype was chosen for
+        self.quantization = QuantizationSpec(config.quantization, config.quantization_group_size)
+        self.quantization.check_device(self.device)
         cpu_build.configure(config.kernel_settings)
         if self.device.type == "cpu":
             torch.set_num_threads(config.num_threads or len(os.sched_getaffinity(0)))
@@ -199,6 +202,11 @@ class ModelRunner:
         )
         model.load_weights(iter_safetensors(self.model_dir))
         model.eval()
+        if self.quantization.enabled:
+            # The decoder layers' linears only: embeddings and lm_head keep the dtype.
+            num_quantized = quantize_linears(model.layers, self.quantization)
+            logger.info("quantized %d linear layers to %s", num_quantized,
+                        self.quantization.describe())
         if config.pack_cpu_weights and packing_available(self.device, self.dtype):
             tied = model.embed_tokens.weight if model.lm_head is None else None
             num_packed = pack_linears(model, lm_head_weight=tied)
@@ -213,6 +221,7 @@ class ModelRunner:
             # The unpacked weights just freed would otherwise stay in the heap for good.
             release_free_memory()
             keep_freed_activation_memory()
+        self.weight_bytes = weight_bytes(model)
         lora: LoRASlots | None = None
         if config.max_loras > 0:
             lora = model.enable_lora(config.max_loras, config.max_lora_rank)

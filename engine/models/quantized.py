@@ -1,0 +1,98 @@
+"""Weight-only quantized base models: `--quantization none|int8|int4|fp8`.
+
+The decoder layers' linear layers (q/k/v, o, gate/up, down) hold their weights as int8 or
+int4 integers with float32 scales (loraplex_kernels/cpu_quant.py); their activations, the
+LoRA deltas added to their outputs, norms, attention and the KV cache stay in the serving
+dtype. The embeddings and the output projection stay in the serving dtype too: they are
+21% of SmolLM2's parameters but the logits are where rounding shows first (the output
+projection sets the sampled token directly), and a row of the embedding table is read per
+token, not per step.
+
+- int8: symmetric, one scale per output channel (or per group with a group size).
+- int4: asymmetric per group of `group_size` inputs (a scale and the group's minimum),
+  DEFAULT_INT4_GROUP_SIZE by default.
+- fp8: refused with one line on the CPU (no fp8 units) and on GPUs before compute
+  capability 8.9; not served on CUDA in this version either.
+
+Steps of up to DENSE_ROWS rows (decode, small prefills) run the C kernel on the integers;
+larger ones dequantize a layer at a time into a float32 matrix and run a dense matmul on
+it, which is faster there (docs/BENCHMARKS.md, "Quantized base models").
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.config import QuantizationSpec
+from loraplex_kernels import cpu_quant
+
+# Rows above which a step dequantizes a layer and multiplies densely instead of running
+# the integer kernel (measured on SmolLM2's layers: the kernel wins to 128 rows, the dense
+# path at 512).
+DENSE_ROWS = 256
+
+
+class QuantLinear(nn.Module):
+    """y = x W^T + b with W held as a cpu_quant.QuantizedWeight. x [T, IN] -> [T, OUT] in
+    x's dtype."""
+
+    def __init__(self, weight: cpu_quant.QuantizedWeight, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.quantized = weight
+        self.in_features, self.out_features = weight.in_features, weight.out_features
+        self.bias_f32 = None if bias is None else bias.detach().float().contiguous()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and x.shape[0] <= DENSE_ROWS:
+            return cpu_quant.linear(x, self.quantized, self.bias_f32)
+        # NOTE: the dense path computes in float32 whatever x's dtype is: this CPU's bf16
+        # matmul may be slower than float32's (engine/runtime/cpu_features.py).
+        w = cpu_quant.dequantize(self.quantized)
+        flat = x.reshape(-1, self.in_features)
+        y = torch.nn.functional.linear(flat.float(), w, self.bias_f32)
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    @property
+    def nbytes(self) -> int:
+        bias = 0 if self.bias_f32 is None else self.bias_f32.numel() * 4
+        return self.quantized.nbytes + bias
+
+    def extra_repr(self) -> str:
+        q = self.quantized
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"int{q.bits}, group {q.group_size}")
+
+
+def quantize_linears(module: nn.Module, spec: QuantizationSpec) -> int:
+    """Replace every `nn.Linear` below `module` by a QuantLinear of `spec`; returns how
+    many. Raises ValueError (one line) for a layer whose shape the scheme cannot hold."""
+    count = 0
+    for name, child in list(module.named_children()):
+        if isinstance(child, nn.Linear):
+            out_features, in_features = child.weight.shape
+            try:
+                qw = cpu_quant.quantize(child.weight, spec.bits, spec.group_for(in_features))
+            except ValueError as exc:
+                raise ValueError(f"--quantization {spec.scheme}: layer {name} "
+                                 f"[{out_features}, {in_features}]: {exc}") from None
+            setattr(module, name, QuantLinear(qw, child.bias))
+            count += 1
+        else:
+            count += quantize_linears(child, spec)
+    return count
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """The bytes of the model's weights as served: parameters, quantized layers and packed
+    copies (every buffer except the rotary tables and such that are not weights)."""
+    total = 0
+    for module in model.modules():
+        if isinstance(module, QuantLinear):
+            total += module.nbytes
+        for param in module.parameters(recurse=False):
+            total += param.numel() * param.element_size()
+        for name, buf in module.named_buffers(recurse=False):
+            if name.endswith("weight"):
+                total += buf.numel() * buf.element_size()
+    return total

@@ -1,0 +1,225 @@
+/* Linear layers on weight-only quantized weights (int8 or int4), for steps of any size.
+
+   Weights are held as integers q with a float32 scale s and an optional float32 offset m
+   per group of `group` inputs and output column: w = q s + m. One layout serves every
+   scheme the engine loads: symmetric int8 per output channel (group = K, no offsets),
+   group-wise int4 with offsets (what GPTQ, AWQ and GGUF's Q4_1 store), group-wise int8
+   (GGUF's Q8_0).
+
+   Layout (quant_layout in cpu_quant.py): output columns in blocks of 16; for each block,
+   int8: q[k][16] as int8 for k < K; int4: byte[k / 2][16], the low nibble input k (even),
+   the high nibble input k + 1, values 0..15. Scales and offsets: [N / 16][K / group][16].
+
+   y[t][n] = sum over groups g of (sum_{k in g} x[t][k] q[k][n]) s[g][n]
+                                + (sum_{k in g} x[t][k]) m[g][n]   (+ bias[n])
+   in float32: the products of one group summed in input order, then scaled. That is the
+   same sum as x . dequantized(w) up to float32 rounding (the scale applied once per
+   group instead of once per weight).
+
+   A block's weights (K x 16 bytes, at most 16 KiB for K <= 1024 at int8) stay in L1 while
+   every tile of rows reads them; the row tiles are 8, 4, 2 or 1 rows so that a decode step
+   of one sequence does not pay for eight. Parallel over blocks with OpenMP (torch's pool).
+*/
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu_common.h"
+
+#define CB 16
+
+/* One tile of R rows (x: float32 rows of K, row stride K) against one block of 16
+   columns: acc[R][16] = the block's outputs before the bias. On AVX-512 the 16 columns
+   are one register and each row's sums stay in registers (R <= 8: 2 R of 32); elsewhere
+   plain loops the compiler vectorizes. */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+static inline __attribute__((always_inline)) __m512 load_q8(const int8_t *q) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q)));
+}
+
+#define DEFINE_TILE(R)                                                                      \
+    static inline void tile_##R(const float *restrict x, int64_t K, int64_t group, int bits, \
+                                const uint8_t *restrict q, const float *restrict s,          \
+                                const float *restrict m, const float *restrict xsum,         \
+                                int64_t ngroups, float acc_out[R][CB]) {                     \
+        __m512 acc[R];                                                                      \
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();    \
+        for (int64_t g = 0; g < ngroups; g++) {                                             \
+            __m512 part[R];                                                                 \
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) part[r] = _mm512_setzero_ps(); \
+            const int64_t k0 = g * group, k1 = k0 + group;                                  \
+            if (bits == 8) {                                                                \
+                for (int64_t k = k0; k < k1; k++) {                                         \
+                    const __m512 w = load_q8((const int8_t *)q + k * CB);                   \
+                    _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                     \
+                        part[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * K + k]), w, part[r]); \
+                }                                                                           \
+            } else {                                                                        \
+                const __m512i low = _mm512_set1_epi32(15);                                  \
+                for (int64_t k = k0; k < k1; k += 2) {                                      \
+                    const __m512i b = _mm512_cvtepu8_epi32(                                 \
+                        _mm_loadu_si128((const __m128i *)(q + (k / 2) * CB)));              \
+                    const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(b, low));         \
+                    const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));          \
+                    _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                   \
+                        part[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * K + k]), lo, part[r]); \
+                        part[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * K + k + 1]), hi, part[r]); \
+                    }                                                                       \
+                }                                                                           \
+            }                                                                               \
+            const __m512 sv = _mm512_loadu_ps(s + g * CB);                                  \
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                             \
+                acc[r] = _mm512_fmadd_ps(part[r], sv, acc[r]);                              \
+            if (m) {                                                                        \
+                const __m512 mv = _mm512_loadu_ps(m + g * CB);                              \
+                _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                         \
+                    acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[r * ngroups + g]), mv, acc[r]); \
+            }                                                                               \
+        }                                                                                   \
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) _mm512_storeu_ps(acc_out[r], acc[r]); \
+    }
+#else
+#define DEFINE_TILE(R)                                                                      \
+    static inline void tile_##R(const float *restrict x, int64_t K, int64_t group, int bits, \
+                                const uint8_t *restrict q, const float *restrict s,          \
+                                const float *restrict m, const float *restrict xsum,         \
+                                int64_t ngroups, float acc[R][CB]) {                         \
+        for (int r = 0; r < R; r++)                                                         \
+            for (int c = 0; c < CB; c++) acc[r][c] = 0.0f;                                  \
+        for (int64_t g = 0; g < ngroups; g++) {                                             \
+            float part[R][CB];                                                              \
+            for (int r = 0; r < R; r++)                                                     \
+                for (int c = 0; c < CB; c++) part[r][c] = 0.0f;                             \
+            for (int64_t k = g * group; k < (g + 1) * group; k++) {                         \
+                float w[CB];                                                                \
+                for (int c = 0; c < CB; c++)                                                \
+                    w[c] = bits == 8 ? (float)((const int8_t *)q)[k * CB + c]               \
+                           : (float)((k & 1) ? q[(k / 2) * CB + c] >> 4                     \
+                                             : q[(k / 2) * CB + c] & 15);                   \
+                for (int r = 0; r < R; r++) {                                               \
+                    const float xv = x[r * K + k];                                          \
+                    for (int c = 0; c < CB; c++) part[r][c] += xv * w[c];                   \
+                }                                                                           \
+            }                                                                               \
+            for (int r = 0; r < R; r++)                                                     \
+                for (int c = 0; c < CB; c++) acc[r][c] += part[r][c] * s[g * CB + c];       \
+            if (m)                                                                          \
+                for (int r = 0; r < R; r++)                                                 \
+                    for (int c = 0; c < CB; c++)                                            \
+                        acc[r][c] += xsum[r * ngroups + g] * m[g * CB + c];                 \
+        }                                                                                   \
+    }
+#endif
+
+DEFINE_TILE(8)
+DEFINE_TILE(4)
+DEFINE_TILE(2)
+DEFINE_TILE(1)
+
+/* Stores a tile's rows (plus the bias) into y: float32 or bf16 rows of stride ldy. */
+static inline void store_rows(const float *acc, int rows, int64_t col, const float *bias,
+                              void *y, int64_t ldy, int out_bf16) {
+    for (int r = 0; r < rows; r++) {
+        const float *a = acc + r * CB;
+        float v[CB];
+        for (int c = 0; c < CB; c++) v[c] = a[c] + (bias ? bias[col + c] : 0.0f);
+        if (out_bf16) {
+            bf16_t *dst = (bf16_t *)y + r * ldy + col;
+            for (int c = 0; c < CB; c++) dst[c] = st_bf16(v[c]);
+        } else {
+            float *dst = (float *)y + r * ldy + col;
+            for (int c = 0; c < CB; c++) dst[c] = v[c];
+        }
+    }
+}
+
+#define RUN_TILE(R)                                                                         \
+    do {                                                                                    \
+        float acc[R][CB];                                                                   \
+        tile_##R(xf + t * K, K, group, bits, wb, sb, mb, xsum ? xsum + t * ngroups : 0,     \
+                 ngroups, acc);                                                             \
+        store_rows(&acc[0][0], R, blk * CB, bias, (char *)y + t * ldy * esz, ldy,           \
+                   out_bf16);                                                               \
+        t += R;                                                                             \
+    } while (0)
+
+/* y [T, N] = x [T, K] . W^T (+ bias), W quantized as above.
+   x: float32 (in_bf16 0) or bf16 (1) rows of stride ldx; y: float32 or bf16 (out_bf16),
+   rows of stride ldy. bits 8 or 4; K a multiple of group, group even for int4; N a
+   multiple of 16. bias: float32 [N] or NULL; m: NULL where the scheme has no offsets.
+   Returns 0, or 1 when the shapes are refused or scratch memory cannot be had. */
+int quant_linear(const void *x, int64_t ldx, int in_bf16, int64_t T, int64_t K,
+                 const void *w, int bits, int64_t group, const float *s, const float *m,
+                 int64_t N, const float *bias, void *y, int64_t ldy, int out_bf16,
+                 int64_t nthreads) {
+    if (T <= 0 || K <= 0 || N <= 0 || N % CB || group <= 0 || K % group ||
+        (bits != 8 && bits != 4) || group % 2)
+        return 1;
+    const int64_t ngroups = K / group;
+    /* The rows in float32, contiguous, and where there are offsets each row's sum per group. */
+    float *xf = malloc(sizeof(float) * (size_t)(T * K + (m ? T * ngroups : 0)));
+    if (!xf) return 1;
+    float *xsum = m ? xf + T * K : 0;
+    for (int64_t t = 0; t < T; t++) {
+        float *dst = xf + t * K;
+        if (in_bf16) {
+            const bf16_t *src = (const bf16_t *)x + t * ldx;
+            for (int64_t k = 0; k < K; k++) dst[k] = ld_bf16(src[k]);
+        } else {
+            memcpy(dst, (const float *)x + t * ldx, sizeof(float) * (size_t)K);
+        }
+        if (xsum)
+            for (int64_t g = 0; g < ngroups; g++) {
+                float acc = 0.0f;
+                for (int64_t k = g * group; k < (g + 1) * group; k++) acc += dst[k];
+                xsum[t * ngroups + g] = acc;
+            }
+    }
+    const int64_t nblocks = N / CB;
+    const int64_t block_bytes = bits == 8 ? K * CB : (K / 2) * CB;
+    const int64_t esz = out_bf16 ? 2 : 4;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t blk = 0; blk < nblocks; blk++) {
+        const uint8_t *wb = (const uint8_t *)w + blk * block_bytes;
+        const float *sb = s + blk * ngroups * CB;
+        const float *mb = m ? m + blk * ngroups * CB : 0;
+        int64_t t = 0;
+        while (T - t >= 8) RUN_TILE(8);
+        if (T - t >= 4) RUN_TILE(4);
+        if (T - t >= 2) RUN_TILE(2);
+        if (T - t >= 1) RUN_TILE(1);
+    }
+    free(xf);
+    return 0;
+}
+
+/* The dequantized weights, transposed: out[k][n] = q s + m as float32 [K, N] row-major
+   (x . W^T is then a plain matmul x . out, for the steps of many rows, and tests). */
+void quant_dequantize(const void *w, int bits, int64_t group, const float *s, const float *m,
+                      int64_t N, int64_t K, float *out, int64_t nthreads) {
+    const int64_t ngroups = K / group;
+    const int64_t block_bytes = bits == 8 ? K * CB : (K / 2) * CB;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t blk = 0; blk < N / CB; blk++) {
+        const uint8_t *wb = (const uint8_t *)w + blk * block_bytes;
+        for (int64_t g = 0; g < ngroups; g++) {
+            const float *sg = s + (blk * ngroups + g) * CB;
+            float mg[CB];
+            for (int c = 0; c < CB; c++) mg[c] = m ? m[(blk * ngroups + g) * CB + c] : 0.0f;
+            for (int64_t k = g * group; k < (g + 1) * group; k += 2) {
+                float *r0 = out + k * N + blk * CB, *r1 = r0 + N;
+                if (bits == 8) {
+                    const int8_t *q = (const int8_t *)wb + k * CB;
+                    for (int c = 0; c < CB; c++) r0[c] = (float)q[c] * sg[c] + mg[c];
+                    for (int c = 0; c < CB; c++) r1[c] = (float)q[CB + c] * sg[c] + mg[c];
+                } else {
+                    const uint8_t *q = wb + (k / 2) * CB;
+                    for (int c = 0; c < CB; c++) r0[c] = (float)(q[c] & 15) * sg[c] + mg[c];
+                    for (int c = 0; c < CB; c++) r1[c] = (float)(q[c] >> 4) * sg[c] + mg[c];
+                }
+            }
+        }
+    }
+}
