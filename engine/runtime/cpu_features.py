@@ -118,13 +118,15 @@ def measured_bf16_speedup() -> float:
 
 
 def auto_cpu_dtype(features: CpuFeatures | None = None,
-                   bf16_speedup: Callable[[], float] = measured_bf16_speedup) -> torch.dtype:
+                   bf16_speedup: Callable[[], float] | None = None) -> torch.dtype:
     """The dtype `--dtype auto` serves on this CPU: bf16 with AMX-BF16; with AVX-512 BF16
-    alone where `bf16_speedup()` (timed once) is at least BF16_MIN_SPEEDUP; else float32."""
+    alone where `bf16_speedup()` (default: measured_bf16_speedup, timed once) is at least
+    BF16_MIN_SPEEDUP; else float32."""
     features = features or detect_cpu_features()
     if features.amx_bf16:
         return torch.bfloat16
-    if features.avx512_bf16 and bf16_speedup() >= BF16_MIN_SPEEDUP:
+    speedup = bf16_speedup or measured_bf16_speedup
+    if features.avx512_bf16 and speedup() >= BF16_MIN_SPEEDUP:
         return torch.bfloat16
     return torch.float32
 

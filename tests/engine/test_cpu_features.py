@@ -40,22 +40,42 @@ def _features(text: str) -> CpuFeatures:
 
 
 @pytest.mark.parametrize(
-    ("text", "dtype", "described"),
+    ("text", "speedup", "dtype", "described"),
     [
-        (SAPPHIRE_RAPIDS, torch.bfloat16,
+        (SAPPHIRE_RAPIDS, None, torch.bfloat16,
          "Intel(R) Xeon(R) Platinum 8480+ (AMX-BF16, AVX-512 BF16)"),
-        (ZEN4, torch.bfloat16, "AMD EPYC 9654 96-Core Processor (AVX-512 BF16)"),
-        (SKYLAKE, torch.float32, "Intel(R) Xeon(R) Gold 6148 CPU @ 2.40GHz "
-                                 "(AVX-512, no bf16 units)"),
-        (HASWELL, torch.float32, "Intel(R) Xeon(R) CPU E5-2680 v3 (no AVX-512, no bf16 units)"),
+        (ZEN4, 1.8, torch.bfloat16, "AMD EPYC 9654 96-Core Processor (AVX-512 BF16)"),
+        # AVX-512 BF16 without AMX where the dot-product unit is slower than float32 FMA
+        # (an Intel Xeon whose hypervisor hides AMX: timed 0.55-0.64x).
+        (ZEN4, 0.6, torch.float32, "AMD EPYC 9654 96-Core Processor (AVX-512 BF16)"),
+        (SKYLAKE, None, torch.float32, "Intel(R) Xeon(R) Gold 6148 CPU @ 2.40GHz "
+                                       "(AVX-512, no bf16 units)"),
+        (HASWELL, None, torch.float32,
+         "Intel(R) Xeon(R) CPU E5-2680 v3 (no AVX-512, no bf16 units)"),
     ],
 )
-def test_auto_picks_bf16_only_where_the_cpu_has_bf16_units(
-    text: str, dtype: torch.dtype, described: str
+def test_auto_picks_bf16_only_where_the_cpu_multiplies_bf16_faster(
+    text: str, speedup: float | None, dtype: torch.dtype, described: str
 ) -> None:
     features = _features(text)
-    assert auto_cpu_dtype(features) == dtype
+    timed: list[float] = []
+
+    def measure() -> float:
+        # Timed only where the units alone do not decide.
+        assert speedup is not None, "bf16 timed on a CPU where the flags decide"
+        timed.append(speedup)
+        return speedup
+
+    assert auto_cpu_dtype(features, measure) == dtype
+    assert timed == ([] if speedup is None else [speedup])
     assert features.describe() == described
+
+
+def test_the_calibration_times_a_real_matmul_in_both_dtypes() -> None:
+    ratio = cpu_features.measured_bf16_speedup()
+    # Whatever this CPU is, both matmuls ran: a finite positive ratio, within what any
+    # CPU gives (emulated bf16 at worst ~10x slower, AMX ~6x faster).
+    assert 0.02 < ratio < 50
 
 
 def test_this_machines_cpu_is_read_from_proc_cpuinfo() -> None:
@@ -67,16 +87,17 @@ def test_this_machines_cpu_is_read_from_proc_cpuinfo() -> None:
 
 
 @pytest.fixture
-def forced_cpu(monkeypatch: pytest.MonkeyPatch) -> Callable[[str], None]:
-    def force(text: str) -> None:
+def forced_cpu(monkeypatch: pytest.MonkeyPatch) -> Callable[..., None]:
+    def force(text: str, bf16_speedup: float = 1.8) -> None:
         monkeypatch.setattr(cpu_features, "detect_cpu_features", lambda: _features(text))
+        monkeypatch.setattr(cpu_features, "measured_bf16_speedup", lambda: bf16_speedup)
 
     return force
 
 
 @pytest.mark.parametrize("text", [SKYLAKE, HASWELL])
 def test_auto_keeps_float32_on_a_cpu_without_bf16_units(
-    text: str, forced_cpu: Callable[[str], None]
+    text: str, forced_cpu: Callable[..., None]
 ) -> None:
     forced_cpu(text)
     assert resolve_device_dtype("cpu", "auto") == (torch.device("cpu"), torch.float32)
@@ -88,7 +109,7 @@ def test_auto_keeps_float32_on_a_cpu_without_bf16_units(
 
 
 def test_the_runner_serves_and_reports_what_auto_picked(
-    forced_cpu: Callable[[str], None], tiny_model_factory: Callable[[str], Path],
+    forced_cpu: Callable[..., None], tiny_model_factory: Callable[[str], Path],
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     model_dir = tiny_model_factory("llama_gqa")
@@ -104,7 +125,12 @@ def test_the_runner_serves_and_reports_what_auto_picked(
     runner = ModelRunner(config, model_dir)
     assert runner.dtype == torch.bfloat16
     assert runner.kv_caches[0].key.dtype == torch.bfloat16
-    assert runner.compute == "AMD EPYC 9654 96-Core Processor (AVX-512 BF16)"
+    assert runner.compute == ("AMD EPYC 9654 96-Core Processor (AVX-512 BF16); a bf16 "
+                              "matmul ran 1.80x float32's here")
+    forced_cpu(ZEN4, 0.6)
+    runner = ModelRunner(config, model_dir)
+    assert runner.dtype == torch.float32
+    assert runner.compute.endswith("a bf16 matmul ran 0.60x float32's here")
 
 
 def test_the_engine_dtype_comes_from_loraplex_dtype_unless_given(
