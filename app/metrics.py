@@ -133,6 +133,17 @@ class _EngineCollector(Collector):
             "1 once the engine failed for good (the process drains and exits).",
             value=0 if self._engine.failure() is None else 1,
         )
+        if stats.weight_bytes:
+            # An engine's own (a gateway's sum over workers has none: each worker reports).
+            weights = GaugeMetricFamily(
+                "loraplex_model_weight_bytes",
+                "Bytes of the base model's weights as held (quantized layers at their "
+                "size, packed copies included), labelled with the serving dtype and the "
+                "quantization scheme.",
+                labels=["dtype", "quantization"],
+            )
+            weights.add_metric([stats.dtype, stats.quantization], stats.weight_bytes)
+            yield weights
         yield from _worker_metrics(self._engine)
         cache = stats.adapter_cache
         if cache is None:

@@ -15,6 +15,7 @@ from bench.harness.options import options_command
 from bench.kernels import KernelsOptions
 from bench.long_prompts import LongPromptOptions
 from bench.lora import LoRABenchOptions
+from bench.quant_quality import QuantQualityOptions
 from bench.roofline import RooflineOptions
 from bench.serve.options import ServeOptions
 from bench.soak.run import SoakOptions, run_soak
@@ -117,6 +118,16 @@ def serve(options: ServeOptions) -> None:
     from bench.serve.run import run_serve
 
     run_serve(options)
+
+
+@bench.command("quant-quality")
+@options_command(QuantQualityOptions)
+def quant_quality(options: QuantQualityOptions) -> None:
+    """Perplexity of a fixed text under each --quantization scheme (transformers on the
+    weights each serves), and the decoder linear layers' bytes."""
+    from bench.quant_quality import run_quant_quality
+
+    run_quant_quality(options)
 
 
 @bench.command("fairness")

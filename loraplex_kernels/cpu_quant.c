@@ -39,46 +39,54 @@ static inline __attribute__((always_inline)) __m512 load_q8(const int8_t *q) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q)));
 }
 
+#define ROWS_1(M) M(0)
+#define ROWS_2(M) M(0) M(1)
+#define ROWS_4(M) M(0) M(1) M(2) M(3)
+#define ROWS_8(M) ROWS_4(M) M(4) M(5) M(6) M(7)
+#define ROWS_12(M) ROWS_8(M) M(8) M(9) M(10) M(11)
+/* The rows are spelled out (ROWS_R) so that each row's sums are a named register: gcc
+   kept an array of them in memory, at half the speed. */
+#define T_ZERO(r) __m512 a##r = _mm512_setzero_ps(), p##r;
+#define T_PZERO(r) p##r = _mm512_setzero_ps();
+#define T_STEP8(r) p##r = _mm512_fmadd_ps(_mm512_set1_ps(x[(r) * K + k]), w, p##r);
+#define T_STEP4(r)                                                                          \
+    p##r = _mm512_fmadd_ps(_mm512_set1_ps(x[(r) * K + k]), lo, p##r);                       \
+    p##r = _mm512_fmadd_ps(_mm512_set1_ps(x[(r) * K + k + 1]), hi, p##r);
+#define T_SCALE(r) a##r = _mm512_fmadd_ps(p##r, sv, a##r);
+#define T_OFFSET(r) a##r = _mm512_fmadd_ps(_mm512_set1_ps(xsum[(r) * ngroups + g]), mv, a##r);
+#define T_STORE(r) _mm512_storeu_ps(acc_out[r], a##r);
 #define DEFINE_TILE(R)                                                                      \
     static inline void tile_##R(const float *restrict x, int64_t K, int64_t group, int bits, \
                                 const uint8_t *restrict q, const float *restrict s,          \
                                 const float *restrict m, const float *restrict xsum,         \
                                 int64_t ngroups, float acc_out[R][CB]) {                     \
-        __m512 acc[R];                                                                      \
-        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();    \
+        ROWS_##R(T_ZERO)                                                                    \
+        const __m512i low = _mm512_set1_epi32(15);                                          \
         for (int64_t g = 0; g < ngroups; g++) {                                             \
-            __m512 part[R];                                                                 \
-            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) part[r] = _mm512_setzero_ps(); \
+            ROWS_##R(T_PZERO)                                                               \
             const int64_t k0 = g * group, k1 = k0 + group;                                  \
             if (bits == 8) {                                                                \
                 for (int64_t k = k0; k < k1; k++) {                                         \
                     const __m512 w = load_q8((const int8_t *)q + k * CB);                   \
-                    _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                     \
-                        part[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * K + k]), w, part[r]); \
+                    ROWS_##R(T_STEP8)                                                       \
                 }                                                                           \
             } else {                                                                        \
-                const __m512i low = _mm512_set1_epi32(15);                                  \
                 for (int64_t k = k0; k < k1; k += 2) {                                      \
                     const __m512i b = _mm512_cvtepu8_epi32(                                 \
                         _mm_loadu_si128((const __m128i *)(q + (k / 2) * CB)));              \
                     const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(b, low));         \
                     const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));          \
-                    _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                   \
-                        part[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * K + k]), lo, part[r]); \
-                        part[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * K + k + 1]), hi, part[r]); \
-                    }                                                                       \
+                    ROWS_##R(T_STEP4)                                                       \
                 }                                                                           \
             }                                                                               \
             const __m512 sv = _mm512_loadu_ps(s + g * CB);                                  \
-            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                             \
-                acc[r] = _mm512_fmadd_ps(part[r], sv, acc[r]);                              \
+            ROWS_##R(T_SCALE)                                                               \
             if (m) {                                                                        \
                 const __m512 mv = _mm512_loadu_ps(m + g * CB);                              \
-                _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                         \
-                    acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[r * ngroups + g]), mv, acc[r]); \
+                ROWS_##R(T_OFFSET)                                                          \
             }                                                                               \
         }                                                                                   \
-        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) _mm512_storeu_ps(acc_out[r], acc[r]); \
+        ROWS_##R(T_STORE)                                                                   \
     }
 #else
 #define DEFINE_TILE(R)                                                                      \
@@ -145,6 +153,114 @@ static inline void store_rows(const float *acc, int rows, int64_t col, const flo
         t += R;                                                                             \
     } while (0)
 
+#if defined(__AVX512F__)
+/* Steps of more than a few rows: each chunk of a block's integers is converted to float32
+   once (wf, in L1) and every row tile reads it from there, so the conversion is paid once
+   per weight instead of once per weight and tile; the partial sums of a group and the
+   outputs wait in per-thread buffers of T x 16 floats between chunks. */
+#define BUFFERED_MIN_ROWS 5
+
+static inline void convert_chunk(const uint8_t *wb, int bits, int64_t k0, int64_t n,
+                                 float *restrict wf) {
+    if (bits == 8) {
+        for (int64_t k = 0; k < n; k++)
+            _mm512_store_ps(wf + k * CB, load_q8((const int8_t *)wb + (k0 + k) * CB));
+        return;
+    }
+    const __m512i low = _mm512_set1_epi32(15);
+    for (int64_t k = 0; k < n; k += 2) {
+        const __m512i b = _mm512_cvtepu8_epi32(
+            _mm_loadu_si128((const __m128i *)(wb + ((k0 + k) / 2) * CB)));
+        _mm512_store_ps(wf + k * CB, _mm512_cvtepi32_ps(_mm512_and_si512(b, low)));
+        _mm512_store_ps(wf + (k + 1) * CB, _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)));
+    }
+}
+
+/* part[R][16] (+)= x[r][k0 .. k0 + n) . wf[0 .. n) for R rows of x (row stride K). */
+#define BT_LOAD(r) __m512 p##r = first ? _mm512_setzero_ps() : _mm512_load_ps(part + (r) * CB);
+#define BT_STEP(r) p##r = _mm512_fmadd_ps(_mm512_set1_ps(x[(r) * K + k]), w, p##r);
+#define BT_STORE(r) _mm512_store_ps(part + (r) * CB, p##r);
+#define DEFINE_BUFFERED_TILE(R)                                                             \
+    static inline void btile_##R(const float *restrict x, int64_t K, int64_t k0, int64_t n, \
+                                 const float *restrict wf, float *restrict part, int first) { \
+        ROWS_##R(BT_LOAD)                                                                   \
+        for (int64_t k = k0; k < k0 + n; k++) {                                             \
+            const __m512 w = _mm512_load_ps(wf + (k - k0) * CB);                            \
+            ROWS_##R(BT_STEP)                                                               \
+        }                                                                                   \
+        ROWS_##R(BT_STORE)                                                                  \
+    }
+DEFINE_BUFFERED_TILE(12)
+DEFINE_BUFFERED_TILE(8)
+DEFINE_BUFFERED_TILE(4)
+DEFINE_BUFFERED_TILE(2)
+DEFINE_BUFFERED_TILE(1)
+
+/* Inputs converted at a time: the group, or for groups of more than 128 inputs (int8 per
+   channel) the largest power of two up to 128 that divides it. */
+static int64_t chunk_for(int64_t group) {
+    if (group <= 128) return group;
+    for (int64_t c = 128; c > 2; c /= 2)
+        if (group % c == 0) return c;
+    return 2;
+}
+
+static int buffered_linear(const float *xf, const float *xsum, int64_t T, int64_t K,
+                           const void *w, int bits, int64_t group, const float *s,
+                           const float *m, int64_t N, const float *bias, void *y, int64_t ldy,
+                           int out_bf16, int64_t nthreads) {
+    const int64_t ngroups = K / group, nblocks = N / CB, chunk = chunk_for(group);
+    const int64_t block_bytes = bits == 8 ? K * CB : (K / 2) * CB;
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads)
+    {
+        float *wf = aligned_alloc(64, sizeof(float) * (size_t)(chunk * CB));
+        float *part = aligned_alloc(64, sizeof(float) * (size_t)(T * CB));
+        float *acc = aligned_alloc(64, sizeof(float) * (size_t)(T * CB));
+        if (!wf || !part || !acc) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp barrier
+        if (!failed) {
+#pragma omp for schedule(static)
+            for (int64_t blk = 0; blk < nblocks; blk++) {
+                const uint8_t *wb = (const uint8_t *)w + blk * block_bytes;
+                memset(acc, 0, sizeof(float) * (size_t)(T * CB));
+                for (int64_t g = 0; g < ngroups; g++) {
+                    for (int64_t k0 = g * group; k0 < (g + 1) * group; k0 += chunk) {
+                        convert_chunk(wb, bits, k0, chunk, wf);
+                        const int first = k0 == g * group;
+                        int64_t t = 0;
+                        for (; T - t >= 12; t += 12)
+                            btile_12(xf + t * K, K, k0, chunk, wf, part + t * CB, first);
+                        for (; T - t >= 8; t += 8)
+                            btile_8(xf + t * K, K, k0, chunk, wf, part + t * CB, first);
+                        if (T - t >= 4) { btile_4(xf + t * K, K, k0, chunk, wf, part + t * CB, first); t += 4; }
+                        if (T - t >= 2) { btile_2(xf + t * K, K, k0, chunk, wf, part + t * CB, first); t += 2; }
+                        if (T - t >= 1) btile_1(xf + t * K, K, k0, chunk, wf, part + t * CB, first);
+                    }
+                    const __m512 sv = _mm512_loadu_ps(s + (blk * ngroups + g) * CB);
+                    const __m512 mv = m ? _mm512_loadu_ps(m + (blk * ngroups + g) * CB)
+                                        : _mm512_setzero_ps();
+                    for (int64_t t = 0; t < T; t++) {
+                        __m512 a = _mm512_load_ps(acc + t * CB);
+                        a = _mm512_fmadd_ps(_mm512_load_ps(part + t * CB), sv, a);
+                        if (m) a = _mm512_fmadd_ps(_mm512_set1_ps(xsum[t * ngroups + g]), mv, a);
+                        _mm512_store_ps(acc + t * CB, a);
+                    }
+                }
+                store_rows(acc, (int)T, blk * CB, bias, y, ldy, out_bf16);
+            }
+        }
+        free(wf);
+        free(part);
+        free(acc);
+    }
+    return failed;
+}
+#endif
+
 /* y [T, N] = x [T, K] . W^T (+ bias), W quantized as above.
    x: float32 (in_bf16 0) or bf16 (1) rows of stride ldx; y: float32 or bf16 (out_bf16),
    rows of stride ldy. bits 8 or 4; K a multiple of group, group even for int4; N a
@@ -177,6 +293,14 @@ int quant_linear(const void *x, int64_t ldx, int in_bf16, int64_t T, int64_t K,
                 xsum[t * ngroups + g] = acc;
             }
     }
+#if defined(__AVX512F__)
+    if (T >= BUFFERED_MIN_ROWS) {
+        const int failed = buffered_linear(xf, xsum, T, K, w, bits, group, s, m, N, bias, y,
+                                           ldy, out_bf16, nthreads);
+        free(xf);
+        return failed;
+    }
+#endif
     const int64_t nblocks = N / CB;
     const int64_t block_bytes = bits == 8 ? K * CB : (K / 2) * CB;
     const int64_t esz = out_bf16 ? 2 : 4;

@@ -25,13 +25,13 @@ from engine.models.attention import (
 )
 from engine.models.base import CausalLM
 from engine.models.cpu_linear import amx_weight_bytes, pack_linears, packing_available
-from engine.models.quantized import QuantizationSpec, quantize_linears, weight_bytes
 from engine.models.loader import (
     ModelConfig,
     iter_safetensors,
     load_tokenizer,
     validate_model_dir,
 )
+from engine.models.quantized import QuantizationSpec, quantize_linears, weight_bytes
 from engine.models.registry import model_class_for
 from engine.runtime import cpu_features
 from engine.runtime.host_memory import (

@@ -96,3 +96,24 @@ def weight_bytes(model: nn.Module) -> int:
             if name.endswith("weight"):
                 total += buf.numel() * buf.element_size()
     return total
+
+
+# Hugging Face's names of the decoder linear layers quantize_linears covers (Llama, Qwen3,
+# Phi-3's fused ones included).
+HF_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+              "qkv_proj", "gate_up_proj")
+
+
+@torch.no_grad()
+def round_trip_hf_linears(hf_model: nn.Module, spec: QuantizationSpec) -> int:
+    """Replace each decoder linear weight of a Hugging Face model by the values its
+    quantization under `spec` stands for (dequantize(quantize(w))), in place; returns how
+    many. Quantization is per output row, so these are exactly the rows the engine's fused,
+    rope-permuted layers hold: the oracle of the quantized engine and of its quality."""
+    count = 0
+    for name, module in hf_model.named_modules():
+        if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in HF_LINEARS:
+            qw = cpu_quant.quantize(module.weight, spec.bits, spec.group_for(module.in_features))
+            module.weight.copy_(cpu_quant.dequantize(qw).to(module.weight.dtype))
+            count += 1
+    return count

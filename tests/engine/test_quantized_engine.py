@@ -29,6 +29,7 @@ from engine.request import EngineRequest, SamplingParams
 from loraplex_kernels import cpu_quant
 from tests.utils.bf16_oracle import hf_logprobs
 from tests.utils.peft_adapters import make_peft_adapter
+from tests.utils.quantized import LINEARS, dequantized_checkpoint
 from tests.utils.tiny_models import random_prompt
 
 pytestmark = pytest.mark.skipif(not cpu_quant.available(), reason="no C compiler here")
@@ -37,26 +38,6 @@ LOGPROB_TOL = 1e-4
 TIE_MARGIN = 1e-4
 NEW_TOKENS = 32
 NUM_PROMPTS = 16
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-def dequantized_checkpoint(model_dir: Path, out_dir: Path, spec: QuantizationSpec) -> Path:
-    """model_dir's model with every decoder linear weight replaced by the values its
-    quantization stands for, saved to out_dir (tokenizer included)."""
-    from transformers import AutoModelForCausalLM
-
-    from tests.utils.tiny_models import copy_tokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    with torch.no_grad():
-        for name, module in model.named_modules():
-            if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in LINEARS:
-                qw = cpu_quant.quantize(module.weight, spec.bits,
-                                        spec.group_for(module.in_features))
-                module.weight.copy_(cpu_quant.dequantize(qw))
-    model.save_pretrained(str(out_dir))
-    copy_tokenizer(model_dir, out_dir)
-    return out_dir
 
 
 def _generate(core: EngineCore, requests: list[EngineRequest]

@@ -78,6 +78,8 @@ def _worker_view(state: AppState, worker: WorkerStatus) -> WorkerView:
         adapters=_adapters(state, worker.adapters, worker.residency),
         dtype=stats.dtype or None,
         compute=stats.compute or None,
+        quantization=stats.quantization or None,
+        weight_bytes=stats.weight_bytes or None,
         url=worker.url,
         device=worker.device,
         mig_profile=worker.mig_profile,

@@ -50,6 +50,8 @@ class WorkerView(BaseModel):
     adapters: list[EngineAdapterView]
     dtype: str | None = None  # what the engine computes in (float32, bfloat16, float16)
     compute: str | None = None  # the CPU and its bf16 units, or the GPU
+    quantization: str | None = None  # the base weights' scheme ("none", "int8 (per channel)")
+    weight_bytes: int | None = None  # the base model's weights as held
     # Workers of a gateway (None for the in-process engine):
     url: str | None = None
     device: str | None = None
