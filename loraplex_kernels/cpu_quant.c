@@ -42,6 +42,7 @@ static inline __attribute__((always_inline)) __m512 load_q8(const int8_t *q) {
 #define ROWS_1(M) M(0)
 #define ROWS_2(M) M(0) M(1)
 #define ROWS_4(M) M(0) M(1) M(2) M(3)
+#define ROWS_6(M) ROWS_4(M) M(4) M(5)
 #define ROWS_8(M) ROWS_4(M) M(4) M(5) M(6) M(7)
 #define ROWS_12(M) ROWS_8(M) M(8) M(9) M(10) M(11)
 /* The rows are spelled out (ROWS_R) so that each row's sums are a named register: gcc
@@ -196,6 +197,43 @@ DEFINE_BUFFERED_TILE(4)
 DEFINE_BUFFERED_TILE(2)
 DEFINE_BUFFERED_TILE(1)
 
+/* Two blocks side by side for 6 rows: each x value broadcast once for 32 columns, so a
+   step of 12 products reads 8 values instead of 13 (the loads, not the products, bound
+   the single-block tile). */
+#define PT_LOAD(r)                                                                          \
+    __m512 p##r = first ? _mm512_setzero_ps() : _mm512_load_ps(part0 + (r) * CB);          \
+    __m512 q##r = first ? _mm512_setzero_ps() : _mm512_load_ps(part1 + (r) * CB);
+#define PT_STEP(r)                                                                          \
+    {                                                                                       \
+        const __m512 xv = _mm512_set1_ps(x[(r) * K + k]);                                   \
+        p##r = _mm512_fmadd_ps(xv, w0, p##r);                                               \
+        q##r = _mm512_fmadd_ps(xv, w1, q##r);                                               \
+    }
+#define PT_STORE(r)                                                                         \
+    _mm512_store_ps(part0 + (r) * CB, p##r);                                                \
+    _mm512_store_ps(part1 + (r) * CB, q##r);
+static inline void pair_tile_6(const float *restrict x, int64_t K, int64_t k0, int64_t n,
+                               const float *restrict wf0, const float *restrict wf1,
+                               float *restrict part0, float *restrict part1, int first) {
+    ROWS_6(PT_LOAD)
+    for (int64_t k = k0; k < k0 + n; k++) {
+        const __m512 w0 = _mm512_load_ps(wf0 + (k - k0) * CB);
+        const __m512 w1 = _mm512_load_ps(wf1 + (k - k0) * CB);
+        ROWS_6(PT_STEP)
+    }
+    ROWS_6(PT_STORE)
+}
+
+/* The single-block tiles over rows [t, T) of one block. */
+static inline void single_tiles(const float *xf, int64_t T, int64_t t, int64_t K, int64_t k0,
+                                int64_t chunk, const float *wf, float *part, int first) {
+    for (; T - t >= 12; t += 12) btile_12(xf + t * K, K, k0, chunk, wf, part + t * CB, first);
+    for (; T - t >= 8; t += 8) btile_8(xf + t * K, K, k0, chunk, wf, part + t * CB, first);
+    if (T - t >= 4) { btile_4(xf + t * K, K, k0, chunk, wf, part + t * CB, first); t += 4; }
+    if (T - t >= 2) { btile_2(xf + t * K, K, k0, chunk, wf, part + t * CB, first); t += 2; }
+    if (T - t >= 1) btile_1(xf + t * K, K, k0, chunk, wf, part + t * CB, first);
+}
+
 /* Inputs converted at a time: the group, or for groups of more than 128 inputs (int8 per
    channel) the largest power of two up to 128 that divides it. */
 static int64_t chunk_for(int64_t group) {
@@ -212,11 +250,13 @@ static int buffered_linear(const float *xf, const float *xsum, int64_t T, int64_
     const int64_t ngroups = K / group, nblocks = N / CB, chunk = chunk_for(group);
     const int64_t block_bytes = bits == 8 ? K * CB : (K / 2) * CB;
     int failed = 0;
+    /* Units of two blocks (the last of an odd count alone). */
+    const int64_t nunits = (nblocks + 1) / 2;
 #pragma omp parallel num_threads(nthreads)
     {
-        float *wf = aligned_alloc(64, sizeof(float) * (size_t)(chunk * CB));
-        float *part = aligned_alloc(64, sizeof(float) * (size_t)(T * CB));
-        float *acc = aligned_alloc(64, sizeof(float) * (size_t)(T * CB));
+        float *wf = aligned_alloc(64, sizeof(float) * (size_t)(2 * chunk * CB));
+        float *part = aligned_alloc(64, sizeof(float) * (size_t)(2 * T * CB));
+        float *acc = aligned_alloc(64, sizeof(float) * (size_t)(2 * T * CB));
         if (!wf || !part || !acc) {
 #pragma omp atomic write
             failed = 1;
@@ -224,33 +264,41 @@ static int buffered_linear(const float *xf, const float *xsum, int64_t T, int64_
 #pragma omp barrier
         if (!failed) {
 #pragma omp for schedule(static)
-            for (int64_t blk = 0; blk < nblocks; blk++) {
-                const uint8_t *wb = (const uint8_t *)w + blk * block_bytes;
-                memset(acc, 0, sizeof(float) * (size_t)(T * CB));
+            for (int64_t u = 0; u < nunits; u++) {
+                const int64_t blk0 = 2 * u, nb = blk0 + 1 < nblocks ? 2 : 1;
+                memset(acc, 0, sizeof(float) * (size_t)(nb * T * CB));
                 for (int64_t g = 0; g < ngroups; g++) {
                     for (int64_t k0 = g * group; k0 < (g + 1) * group; k0 += chunk) {
-                        convert_chunk(wb, bits, k0, chunk, wf);
                         const int first = k0 == g * group;
+                        for (int64_t b = 0; b < nb; b++)
+                            convert_chunk((const uint8_t *)w + (blk0 + b) * block_bytes, bits,
+                                          k0, chunk, wf + b * chunk * CB);
                         int64_t t = 0;
-                        for (; T - t >= 12; t += 12)
-                            btile_12(xf + t * K, K, k0, chunk, wf, part + t * CB, first);
-                        for (; T - t >= 8; t += 8)
-                            btile_8(xf + t * K, K, k0, chunk, wf, part + t * CB, first);
-                        if (T - t >= 4) { btile_4(xf + t * K, K, k0, chunk, wf, part + t * CB, first); t += 4; }
-                        if (T - t >= 2) { btile_2(xf + t * K, K, k0, chunk, wf, part + t * CB, first); t += 2; }
-                        if (T - t >= 1) btile_1(xf + t * K, K, k0, chunk, wf, part + t * CB, first);
+                        if (nb == 2)
+                            for (; T - t >= 6; t += 6)
+                                pair_tile_6(xf + t * K, K, k0, chunk, wf, wf + chunk * CB,
+                                            part + t * CB, part + (T + t) * CB, first);
+                        for (int64_t b = 0; b < nb; b++)
+                            single_tiles(xf, T, t, K, k0, chunk, wf + b * chunk * CB,
+                                         part + b * T * CB, first);
                     }
-                    const __m512 sv = _mm512_loadu_ps(s + (blk * ngroups + g) * CB);
-                    const __m512 mv = m ? _mm512_loadu_ps(m + (blk * ngroups + g) * CB)
-                                        : _mm512_setzero_ps();
-                    for (int64_t t = 0; t < T; t++) {
-                        __m512 a = _mm512_load_ps(acc + t * CB);
-                        a = _mm512_fmadd_ps(_mm512_load_ps(part + t * CB), sv, a);
-                        if (m) a = _mm512_fmadd_ps(_mm512_set1_ps(xsum[t * ngroups + g]), mv, a);
-                        _mm512_store_ps(acc + t * CB, a);
+                    for (int64_t b = 0; b < nb; b++) {
+                        const int64_t gi = (blk0 + b) * ngroups + g;
+                        const __m512 sv = _mm512_loadu_ps(s + gi * CB);
+                        const __m512 mv = m ? _mm512_loadu_ps(m + gi * CB) : _mm512_setzero_ps();
+                        float *ab = acc + b * T * CB;
+                        const float *pb = part + b * T * CB;
+                        for (int64_t t = 0; t < T; t++) {
+                            __m512 a = _mm512_load_ps(ab + t * CB);
+                            a = _mm512_fmadd_ps(_mm512_load_ps(pb + t * CB), sv, a);
+                            if (m)
+                                a = _mm512_fmadd_ps(_mm512_set1_ps(xsum[t * ngroups + g]), mv, a);
+                            _mm512_store_ps(ab + t * CB, a);
+                        }
                     }
                 }
-                store_rows(acc, (int)T, blk * CB, bias, y, ldy, out_bf16);
+                for (int64_t b = 0; b < nb; b++)
+                    store_rows(acc + b * T * CB, (int)T, (blk0 + b) * CB, bias, y, ldy, out_bf16);
             }
         }
         free(wf);
