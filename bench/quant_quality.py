@@ -95,7 +95,8 @@ def run_quant_quality(options: QuantQualityOptions) -> list[SchemeQuality]:
               flush=True)
     print(f"{ids.shape[1]} tokens of {options.text}")
     save_report({
-        "options": {**asdict(options), "text": str(options.text)},
+        "options": {**asdict(options), "text": str(options.text),
+                    "output": None if options.output is None else str(options.output)},
         "tokens": int(ids.shape[1]),
         "started_at": started,
         "results": [asdict(r) for r in results],
