@@ -15,7 +15,7 @@ from bench.harness.options import options_command
 from bench.kernels import KernelsOptions
 from bench.long_prompts import LongPromptOptions
 from bench.lora import LoRABenchOptions
-from bench.quant_quality import QuantQualityOptions
+from bench.quantization import QuantKernelsOptions, QuantQualityOptions
 from bench.roofline import RooflineOptions
 from bench.serve.options import ServeOptions
 from bench.soak.run import SoakOptions, run_soak
@@ -120,12 +120,22 @@ def serve(options: ServeOptions) -> None:
     run_serve(options)
 
 
+@bench.command("quant-kernels")
+@options_command(QuantKernelsOptions)
+def quant_kernels(options: QuantKernelsOptions) -> None:
+    """A step's linear layers (SmolLM2's shapes) in oneDNN float32 / bf16, torch's
+    weight-only int8 / int4 kernels and ours, at each row count."""
+    from bench.quantization import run_quant_kernels
+
+    run_quant_kernels(options)
+
+
 @bench.command("quant-quality")
 @options_command(QuantQualityOptions)
 def quant_quality(options: QuantQualityOptions) -> None:
     """Perplexity of a fixed text under each --quantization scheme (transformers on the
     weights each serves), and the decoder linear layers' bytes."""
-    from bench.quant_quality import run_quant_quality
+    from bench.quantization import run_quant_quality
 
     run_quant_quality(options)
 

@@ -1,4 +1,10 @@
-"""`loraplex bench quant-quality`: perplexity of a fixed text under each weight
+"""The quantized base weights' benchmarks.
+
+`loraplex bench quant-kernels`: the linear layers of a step of SmolLM2's shapes (each
+layer's own weights, so that they come from memory as in a step) in oneDNN at float32 and
+bf16, in torch's weight-only int8 / int4 kernels, and in ours, at each row count.
+
+`loraplex bench quant-quality`: perplexity of a fixed text under each weight
 quantization scheme, and each scheme's weight bytes.
 
 Each scheme's perplexity is computed by transformers on the weights the engine serves
@@ -25,6 +31,81 @@ from bench.lora import resolve_model
 from engine.config import QuantizationSpec
 
 DEFAULT_TEXT = Path(__file__).resolve().parent.parent / "tests" / "data" / "perplexity.txt"
+
+
+# A Llama layer of SmolLM2-135M: (out, in) of qkv, o, gate_up, down.
+SMOLLM2_LAYER = ((960, 576), (576, 576), (3072, 576), (576, 1536))
+
+
+@dataclass(slots=True)
+class QuantKernelsOptions:
+    rows: tuple[int, ...] = opt((1, 8, 32, 128, 512), flag="--rows")
+    layers: int = opt(30, "layers of SmolLM2's shapes")
+    repeats: int = opt(5, "the best of this many passes is kept")
+    torch_kernels: bool = opt(True, "also torch's _weight_int8pack_mm / _weight_int4pack_mm")
+    output: Path | None = opt(None, "JSON report",
+                              shown="bench/results/quant-kernels-<timestamp>.json")
+
+
+def run_quant_kernels(options: QuantKernelsOptions) -> dict[str, dict[str, float]]:
+    import torch
+
+    from loraplex_kernels import cpu_quant
+
+    gen = torch.Generator().manual_seed(0)
+    weights = [[torch.randn(n, k, generator=gen) * 0.02 for n, k in SMOLLM2_LAYER]
+               for _ in range(options.layers)]
+    flat = [w for layer in weights for w in layer]
+    ways: dict[str, list] = {}
+    for dtype, name in ((torch.float32, "float32"), (torch.bfloat16, "bf16")):
+        packed = [torch.ops.mkldnn._reorder_linear_weight(w.to(dtype), 32) for w in flat]
+        ways[f"oneDNN {name}"] = [
+            (dtype, lambda x, p=p: torch.ops.mkldnn._linear_pointwise(
+                x, p, None, "none", [None], "")) for p in packed]
+    for bits, group in ((8, None), (4, 32)):
+        quantized = [cpu_quant.quantize(w, bits, group) for w in flat]
+        ways[f"ours int{bits}"] = [(torch.float32, lambda x, q=q: cpu_quant.linear(x, q))
+                                   for q in quantized]
+    if options.torch_kernels:
+        int8 = []
+        int4 = []
+        for w in flat:
+            scale = w.abs().amax(1) / 127
+            q = torch.round(w / scale[:, None]).to(torch.int8)
+            scale16 = scale.bfloat16()
+            int8.append((torch.bfloat16, lambda x, q=q, s=scale16:
+                         torch._weight_int8pack_mm(x, q, s)))
+            n, k = w.shape
+            wg = w.reshape(n, k // 32, 32)
+            lo, hi = wg.amin(-1), wg.amax(-1)
+            step = ((hi - lo) / 15).clamp(min=1e-8)
+            q4 = torch.round((wg - lo[..., None]) / step[..., None]).clamp(0, 15)
+            packed = torch._convert_weight_to_int4pack_for_cpu(q4.reshape(n, k).int(), 1)
+            # torch's convention: w = (q - 8) * scale + zero.
+            scale_zero = torch.stack([step.t(), (lo + 8 * step).t()], -1).bfloat16()
+            int4.append((torch.bfloat16, lambda x, p=packed, sz=scale_zero:
+                         torch._weight_int4pack_mm_for_cpu(x, p, 32, sz)))
+        ways["torch int8 (bf16)"] = int8
+        ways["torch int4 (bf16)"] = int4
+    report: dict[str, dict[str, float]] = {}
+    for rows in options.rows:
+        xs = {k: torch.randn(rows, k, generator=gen) for k in (576, 1536)}
+        report[str(rows)] = {}
+        for name, calls in ways.items():
+            best = float("inf")
+            for _ in range(options.repeats):
+                start = time.perf_counter()
+                for (dtype, call), w in zip(calls, flat, strict=True):
+                    call(xs[w.shape[1]].to(dtype))
+                best = min(best, time.perf_counter() - start)
+            report[str(rows)][name] = round(best * 1e3, 2)
+        print(f"{rows:5d} rows: " + ", ".join(f"{k} {v} ms" for k, v in report[str(rows)].items()),
+              flush=True)
+    save_report({"options": {**asdict(options), "output": None if options.output is None
+                             else str(options.output)},
+                 "started_at": time.time(), "ms_per_step_of_layers": report},
+                "quant-kernels", options.output)
+    return report
 
 
 @dataclass(slots=True)
