@@ -80,10 +80,10 @@ def run_quant_kernels(options: QuantKernelsOptions) -> dict[str, dict[str, float
             lo, hi = wg.amin(-1), wg.amax(-1)
             step = ((hi - lo) / 15).clamp(min=1e-8)
             q4 = torch.round((wg - lo[..., None]) / step[..., None]).clamp(0, 15)
-            packed = torch._convert_weight_to_int4pack_for_cpu(q4.reshape(n, k).int(), 1)
+            int4_weight = torch._convert_weight_to_int4pack_for_cpu(q4.reshape(n, k).int(), 1)
             # torch's convention: w = (q - 8) * scale + zero.
             scale_zero = torch.stack([step.t(), (lo + 8 * step).t()], -1).bfloat16()
-            int4.append((torch.bfloat16, lambda x, p=packed, sz=scale_zero:
+            int4.append((torch.bfloat16, lambda x, p=int4_weight, sz=scale_zero:
                          torch._weight_int4pack_mm_for_cpu(x, p, 32, sz)))
         ways["torch int8 (bf16)"] = int8
         ways["torch int4 (bf16)"] = int4

@@ -23,7 +23,6 @@ The float32 exact-equality tests stay where they are (test_llama_forward, test_l
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
@@ -33,7 +32,7 @@ from engine.config import EngineConfig
 from engine.core.engine_core import EngineCore
 from engine.models.cpu_linear import packing_available
 from engine.request import EngineRequest, SamplingParams
-from tests.utils.bf16_oracle import Agreement, hf_logprobs
+from tests.utils.bf16_oracle import Agreement, engine_tokens_and_logprobs, hf_logprobs
 from tests.utils.peft_adapters import make_peft_adapter
 
 pytestmark = pytest.mark.slow
@@ -75,24 +74,6 @@ def _chat(core: EngineCore, text: str) -> list[int]:
         return_dict=False))
 
 
-def _generate(core: EngineCore, requests: list[EngineRequest]
-              ) -> dict[str, tuple[list[int], list[float]]]:
-    for r in requests:
-        core.add_request(r)
-    got: dict[str, tuple[list[int], list[float]]] = {r.request_id: ([], []) for r in requests}
-    deadline = time.monotonic() + 300
-    while core.has_unfinished_requests():
-        assert time.monotonic() < deadline, "engine did not finish"
-        result = core.step()
-        if result.idle:
-            time.sleep(0.01)  # adapters loading
-        for out in result.outputs:
-            tokens, logprobs = got[out.request_id]
-            tokens.extend(out.new_token_ids)
-            logprobs.extend(lp.logprob for lp in out.new_logprobs)
-    return got
-
-
 def test_bf16_engine_agrees_with_hf_bf16_for_the_base_and_adapters_in_mixed_steps(
     smollm2_dir: Path, smollm2_adapters: dict[str, Path]
 ) -> None:
@@ -111,7 +92,7 @@ def test_bf16_engine_agrees_with_hf_bf16_for_the_base_and_adapters_in_mixed_step
         )
         for i, prompt in enumerate(prompts) for name in names
     ]
-    got = _generate(core, requests)
+    got = engine_tokens_and_logprobs(core, requests)
     report = []
     pooled = Agreement()
     for name in names:

@@ -16,7 +16,6 @@ unquantized checkpoint the same comparison fails within the first three tokens.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
@@ -27,7 +26,7 @@ from engine.core.engine_core import EngineCore
 from engine.models.quantized import QuantLinear
 from engine.request import EngineRequest, SamplingParams
 from loraplex_kernels import cpu_quant
-from tests.utils.bf16_oracle import hf_logprobs
+from tests.utils.bf16_oracle import engine_tokens_and_logprobs, hf_logprobs
 from tests.utils.peft_adapters import make_peft_adapter
 from tests.utils.quantized import LINEARS, dequantized_checkpoint
 from tests.utils.tiny_models import random_prompt
@@ -38,24 +37,6 @@ LOGPROB_TOL = 1e-4
 TIE_MARGIN = 1e-4
 NEW_TOKENS = 32
 NUM_PROMPTS = 16
-
-
-def _generate(core: EngineCore, requests: list[EngineRequest]
-              ) -> dict[str, tuple[list[int], list[float]]]:
-    for r in requests:
-        core.add_request(r)
-    got: dict[str, tuple[list[int], list[float]]] = {r.request_id: ([], []) for r in requests}
-    deadline = time.monotonic() + 300
-    while core.has_unfinished_requests():
-        assert time.monotonic() < deadline, "engine did not finish"
-        result = core.step()
-        if result.idle:
-            time.sleep(0.01)  # adapters loading
-        for out in result.outputs:
-            tokens, logprobs = got[out.request_id]
-            tokens.extend(out.new_token_ids)
-            logprobs.extend(lp.logprob for lp in out.new_logprobs)
-    return got
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +77,7 @@ def test_quantized_engine_agrees_with_hf_and_peft_on_the_dequantized_weights(
             request_id=f"{i}", prompt_token_ids=tuple(prompt), adapter=name,
             sampling=SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True,
                                     logprobs=0)))
-    got = _generate(core, requests)
+    got = engine_tokens_and_logprobs(core, requests)
     worst = 0.0
     for r in requests:
         tokens, logprobs = got[r.request_id]

@@ -1,4 +1,5 @@
-"""Hugging Face as the oracle of a bf16 engine: teacher-forced logprobs of its tokens.
+"""Hugging Face as the oracle of an engine that cannot equal it bit for bit (bf16, a
+quantized base): teacher-forced logprobs of the engine's tokens.
 
 A bf16 engine cannot equal the float32 oracle bit for bit, nor HF's own bf16 path: HF
 rounds after every op, our kernels compute in float32 and round once. So the engine's
@@ -9,12 +10,35 @@ in bfloat16 and in float32, and the logprobs compared position by position.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from engine.core.engine_core import EngineCore
+from engine.request import EngineRequest
 from tests.utils.hf_oracle import hf_model, peft_model
+
+
+def engine_tokens_and_logprobs(core: EngineCore, requests: list[EngineRequest]
+                               ) -> dict[str, tuple[list[int], list[float]]]:
+    """Runs `requests` together to the end: request id -> (tokens, their logprobs); the
+    requests ask for logprobs=0."""
+    for r in requests:
+        core.add_request(r)
+    got: dict[str, tuple[list[int], list[float]]] = {r.request_id: ([], []) for r in requests}
+    deadline = time.monotonic() + 300
+    while core.has_unfinished_requests():
+        assert time.monotonic() < deadline, "engine did not finish"
+        result = core.step()
+        if result.idle:
+            time.sleep(0.01)  # adapters loading
+        for out in result.outputs:
+            tokens, logprobs = got[out.request_id]
+            tokens.extend(out.new_token_ids)
+            logprobs.extend(lp.logprob for lp in out.new_logprobs)
+    return got
 
 
 @torch.inference_mode()
