@@ -31,7 +31,12 @@ from engine.models.loader import (
     load_tokenizer,
     validate_model_dir,
 )
-from engine.models.quantized import QuantizationSpec, quantize_linears, weight_bytes
+from engine.models.quantized import (
+    QuantizationSpec,
+    quantize_embeddings,
+    quantize_linears,
+    weight_bytes,
+)
 from engine.models.registry import model_class_for
 from engine.runtime import cpu_features
 from engine.runtime.host_memory import (
@@ -205,8 +210,9 @@ class ModelRunner:
         if self.quantization.enabled:
             # The decoder layers' linears only: embeddings and lm_head keep the dtype.
             num_quantized = quantize_linears(model.layers, self.quantization)
-            logger.info("quantized %d linear layers to %s", num_quantized,
-                        self.quantization.describe())
+            quantize_embeddings(model, self.dtype)
+            logger.info("quantized %d linear layers to %s; the embeddings and the output "
+                        "projection to int8", num_quantized, self.quantization.describe())
         if config.pack_cpu_weights and packing_available(self.device, self.dtype):
             tied = model.embed_tokens.weight if model.lm_head is None else None
             num_packed = pack_linears(model, lm_head_weight=tied)

@@ -3,10 +3,11 @@
 The decoder layers' linear layers (q/k/v, o, gate/up, down) hold their weights as int8 or
 int4 integers with float32 scales (loraplex_kernels/cpu_quant.py); their activations, the
 LoRA deltas added to their outputs, norms, attention and the KV cache stay in the serving
-dtype. The embeddings and the output projection stay in the serving dtype too: they are
-21% of SmolLM2's parameters but the logits are where rounding shows first (the output
-projection sets the sampled token directly), and a row of the embedding table is read per
-token, not per step.
+dtype. The embeddings and the output projection (one matrix where they are tied: 21% of SmolLM2's
+parameters, held twice in float32 otherwise, the packed copy for the output projection)
+are int8 in groups of 32 under every scheme (EMBEDDING_GROUP): GGUF's Q8_0 grid, the
+precision the bundled SmolLM2's embeddings ship in, so that model loses nothing there;
+`loraplex bench quant-quality` measures the rest.
 
 - int8: symmetric, one scale per output channel (or per group with a group size).
 - int4: asymmetric per group of `group_size` inputs (a scale and the group's minimum),
@@ -26,6 +27,11 @@ from torch import nn
 
 from engine.config import QuantizationSpec
 from loraplex_kernels import cpu_quant
+
+# The embeddings and the output projection under any scheme: int8 in groups of 32 inputs
+# (GGUF's Q8_0 grid, which the bundled SmolLM2's embeddings ship in), per row where the
+# hidden size is not a multiple of 32.
+EMBEDDING_BITS, EMBEDDING_GROUP = 8, 32
 
 # Rows above which a step dequantizes a layer and multiplies densely instead of running
 # the integer kernel (measured on SmolLM2's layers: the kernel wins to 128 rows, the dense
@@ -53,11 +59,6 @@ class QuantLinear(nn.Module):
         y = torch.nn.functional.linear(flat.float(), w, self.bias_f32)
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
-    @property
-    def nbytes(self) -> int:
-        bias = 0 if self.bias_f32 is None else self.bias_f32.numel() * 4
-        return self.quantized.nbytes + bias
-
     def extra_repr(self) -> str:
         q = self.quantized
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -83,13 +84,61 @@ def quantize_linears(module: nn.Module, spec: QuantizationSpec) -> int:
     return count
 
 
+def embedding_group(hidden_size: int) -> int | None:
+    return EMBEDDING_GROUP if hidden_size % EMBEDDING_GROUP == 0 else None
+
+
+class QuantEmbedding(nn.Module):
+    """The embedding table as a cpu_quant.QuantizedWeight (one row per token): ids [T] ->
+    rows [T, HID] in `dtype`, dequantized on lookup."""
+
+    def __init__(self, weight: cpu_quant.QuantizedWeight, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.quantized = weight
+        self.dtype = dtype
+        self.num_embeddings, self.embedding_dim = weight.out_features, weight.in_features
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        qw = self.quantized
+        k, g = qw.in_features, qw.group_size
+        flat = ids.reshape(-1)
+        blocks, columns = flat // cpu_quant.BLOCK, flat % cpu_quant.BLOCK
+        q = qw.qweight.view(-1, k, cpu_quant.BLOCK).view(torch.int8)[blocks, :, columns]
+        rows = q.float().view(-1, k // g, g) * qw.scales[blocks, :, columns][..., None]
+        if qw.offsets is not None:
+            rows = rows + qw.offsets[blocks, :, columns][..., None]
+        return rows.reshape(*ids.shape, k).to(self.dtype)
+
+
+def quantize_embeddings(model: nn.Module, dtype: torch.dtype) -> None:
+    """The model's embeddings and output projection as int8 (EMBEDDING_GROUP): a tied
+    output projection reads the same integers as the lookup."""
+    table = model.embed_tokens.weight
+    hidden = table.shape[1]
+    qw = cpu_quant.quantize(table, EMBEDDING_BITS, embedding_group(hidden))
+    model.embed_tokens = QuantEmbedding(qw, dtype)
+    head = model.lm_head
+    if head is None:
+        model.lm_head = QuantLinear(qw, None)
+    elif isinstance(head, nn.Linear):
+        model.lm_head = QuantLinear(
+            cpu_quant.quantize(head.weight, EMBEDDING_BITS, embedding_group(hidden)), head.bias)
+
+
 def weight_bytes(model: nn.Module) -> int:
-    """The bytes of the model's weights as served: parameters, quantized layers and packed
-    copies (every buffer except the rotary tables and such that are not weights)."""
+    """The bytes of the model's weights as served: parameters, quantized layers (a tied
+    table once) and packed copies (every buffer named as a weight)."""
     total = 0
+    counted: set[int] = set()
     for module in model.modules():
-        if isinstance(module, QuantLinear):
-            total += module.nbytes
+        if isinstance(module, QuantLinear | QuantEmbedding):
+            qw = module.quantized
+            if id(qw) not in counted:
+                counted.add(id(qw))
+                total += qw.nbytes
+            bias = getattr(module, "bias_f32", None)
+            if bias is not None:
+                total += bias.numel() * 4
         for param in module.parameters(recurse=False):
             total += param.numel() * param.element_size()
         for name, buf in module.named_buffers(recurse=False):
@@ -106,14 +155,25 @@ HF_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "d
 
 @torch.no_grad()
 def round_trip_hf_linears(hf_model: nn.Module, spec: QuantizationSpec) -> int:
-    """Replace each decoder linear weight of a Hugging Face model by the values its
-    quantization under `spec` stands for (dequantize(quantize(w))), in place; returns how
-    many. Quantization is per output row, so these are exactly the rows the engine's fused,
-    rope-permuted layers hold: the oracle of the quantized engine and of its quality."""
+    """Replace each decoder linear weight of a Hugging Face model, its embeddings and its
+    output projection by the values their quantization under `spec` stands for
+    (dequantize(quantize(w))), in place; returns how many decoder linears. Quantization is
+    per output row, so these are exactly the rows the engine's fused, rope-permuted layers
+    hold: the oracle of the quantized engine and of its quality."""
     count = 0
+
+    def round_trip(weight: torch.Tensor, bits: int, group: int | None) -> None:
+        qw = cpu_quant.quantize(weight, bits, group)
+        weight.copy_(cpu_quant.dequantize(qw).to(weight.dtype))
+
     for name, module in hf_model.named_modules():
         if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in HF_LINEARS:
-            qw = cpu_quant.quantize(module.weight, spec.bits, spec.group_for(module.in_features))
-            module.weight.copy_(cpu_quant.dequantize(qw).to(module.weight.dtype))
+            round_trip(module.weight, spec.bits, spec.group_for(module.in_features))
             count += 1
+    embeddings = hf_model.get_input_embeddings().weight
+    group = embedding_group(embeddings.shape[1])
+    round_trip(embeddings, EMBEDDING_BITS, group)
+    head = hf_model.get_output_embeddings()
+    if head is not None and head.weight.data_ptr() != embeddings.data_ptr():
+        round_trip(head.weight, EMBEDDING_BITS, group)
     return count

@@ -23,7 +23,7 @@ import torch
 
 from engine.config import EngineConfig, QuantizationSpec
 from engine.core.engine_core import EngineCore
-from engine.models.quantized import QuantLinear
+from engine.models.quantized import QuantEmbedding, QuantLinear
 from engine.request import EngineRequest, SamplingParams
 from loraplex_kernels import cpu_quant
 from tests.utils.bf16_oracle import engine_tokens_and_logprobs, hf_logprobs
@@ -63,9 +63,15 @@ def test_quantized_engine_agrees_with_hf_and_peft_on_the_dequantized_weights(
     core = EngineCore(EngineConfig(model=str(base), dtype="float32", quantization=scheme,
                                    quantization_group_size=group, max_loras=2,
                                    max_cpu_loras=2, max_lora_rank=16, max_num_seqs=64))
-    layers = [m for m in core.runner.model.modules() if isinstance(m, QuantLinear)]
+    model = core.runner.model
+    layers = [m for m in model.layers.modules() if isinstance(m, QuantLinear)]
     assert len(layers) == 4 * 2  # qkv, o, gate_up, down of both layers
     assert {m.quantized.bits for m in layers} == {spec.bits}
+    # The tied output projection reads the embeddings' own int8 integers.
+    assert isinstance(model.embed_tokens, QuantEmbedding) and isinstance(model.lm_head,
+                                                                          QuantLinear)
+    assert model.lm_head.quantized is model.embed_tokens.quantized
+    assert model.lm_head.quantized.bits == 8
     for name, path in adapters.items():
         core.add_adapter(name, path)
     names: list[str | None] = [None, "attn4", "all16"]
@@ -102,11 +108,16 @@ def test_quantized_weights_are_smaller_and_reported(tiny_model_factory) -> None:
                                        max_loras=1, max_num_seqs=4))
         sizes[scheme] = core.runner.weight_bytes
         assert core.runner.quantization.scheme == scheme
-    # The tiny model's embeddings (kept at float32) are most of its bytes; the decoder
-    # linears are 2 x 40,960 parameters: 4 bytes each unquantized.
+    # The decoder linears are 2 x 40,960 parameters, 4 bytes each unquantized; the tied
+    # embeddings 49,152 x 64, held twice unquantized (the output projection's packed copy)
+    # and once as int8 in groups of 32 (1 byte and a 4-byte scale per 32).
     linear_params = 2 * (64 * 128 + 64 * 64 + 64 * 256 + 128 * 64)
-    assert sizes["none"] - sizes["int8"] >= linear_params * (4 - 1) - linear_params // 16
+    table = 49152 * 64
+    table_int8 = table + table // 32 * 4
+    assert sizes["none"] - sizes["int8"] >= (
+        linear_params * 3 - linear_params // 16 + 2 * table * 4 - table_int8)
     assert sizes["int8"] - sizes["int4"] >= linear_params // 2 - linear_params // 4
+    assert sizes["int4"] < 0.3 * sizes["none"]
 
 
 @pytest.mark.parametrize(
