@@ -3,9 +3,9 @@
 The decoder layers' linear layers (q/k/v, o, gate/up, down) hold their weights as int8 or
 int4 integers with float32 scales (loraplex_kernels/cpu_quant.py); their activations, the
 LoRA deltas added to their outputs, norms, attention and the KV cache stay in the serving
-dtype. The embeddings and the output projection (one matrix where they are tied: 21% of SmolLM2's
-parameters, held twice in float32 otherwise, the packed copy for the output projection)
-are int8 in groups of 32 under every scheme (EMBEDDING_GROUP): GGUF's Q8_0 grid, the
+dtype. The embeddings and the output projection (one matrix where they are tied: 21% of
+SmolLM2's parameters, held twice unquantized, the output projection's packed copy) are
+int8 in groups of 32 under every scheme (EMBEDDING_GROUP): GGUF's Q8_0 grid, the
 precision the bundled SmolLM2's embeddings ship in, so that model loses nothing there;
 `loraplex bench quant-quality` measures the rest.
 
@@ -34,8 +34,8 @@ from loraplex_kernels import cpu_quant
 EMBEDDING_BITS, EMBEDDING_GROUP = 8, 32
 
 # Rows above which a step dequantizes a layer and multiplies densely instead of running
-# the integer kernel (measured on SmolLM2's layers: the kernel wins to 128 rows, the dense
-# path at 512).
+# the integer kernel (measured on SmolLM2's layers: the two are even at 256 rows, the
+# dense path faster at 512 and more).
 DENSE_ROWS = 256
 
 
