@@ -210,9 +210,12 @@ class ModelRunner:
         if self.quantization.enabled:
             # The decoder layers' linears only: embeddings and lm_head keep the dtype.
             num_quantized = quantize_linears(model.layers, self.quantization)
-            quantize_embeddings(model, self.dtype)
-            logger.info("quantized %d linear layers to %s; the embeddings and the output "
-                        "projection to int8", num_quantized, self.quantization.describe())
+            tables = ("the embeddings and the output projection to int8"
+                      if quantize_embeddings(model, self.dtype) else
+                      f"the embeddings and the output projection kept in {self.dtype} (a "
+                      f"vocabulary of {self.model_config.vocab_size}, not a multiple of 16)")
+            logger.info("quantized %d linear layers to %s; %s", num_quantized,
+                        self.quantization.describe(), tables)
         if config.pack_cpu_weights and packing_available(self.device, self.dtype):
             tied = model.embed_tokens.weight if model.lm_head is None else None
             num_packed = pack_linears(model, lm_head_weight=tied)

@@ -94,6 +94,7 @@ class QuantEmbedding(nn.Module):
 
     def __init__(self, weight: cpu_quant.QuantizedWeight, dtype: torch.dtype) -> None:
         super().__init__()
+        assert weight.bits == 8, "embeddings are int8"
         self.quantized = weight
         self.dtype = dtype
         self.num_embeddings, self.embedding_dim = weight.out_features, weight.in_features
@@ -110,11 +111,14 @@ class QuantEmbedding(nn.Module):
         return rows.reshape(*ids.shape, k).to(self.dtype)
 
 
-def quantize_embeddings(model: nn.Module, dtype: torch.dtype) -> None:
+def quantize_embeddings(model: nn.Module, dtype: torch.dtype) -> bool:
     """The model's embeddings and output projection as int8 (EMBEDDING_GROUP): a tied
-    output projection reads the same integers as the lookup."""
+    output projection reads the same integers as the lookup. False (both kept in `dtype`)
+    where the vocabulary is not a multiple of the kernel's 16-row blocks."""
     table = model.embed_tokens.weight
-    hidden = table.shape[1]
+    vocab, hidden = table.shape
+    if vocab % cpu_quant.BLOCK:
+        return False
     qw = cpu_quant.quantize(table, EMBEDDING_BITS, embedding_group(hidden))
     model.embed_tokens = QuantEmbedding(qw, dtype)
     head = model.lm_head
@@ -123,6 +127,7 @@ def quantize_embeddings(model: nn.Module, dtype: torch.dtype) -> None:
     elif isinstance(head, nn.Linear):
         model.lm_head = QuantLinear(
             cpu_quant.quantize(head.weight, EMBEDDING_BITS, embedding_group(hidden)), head.bias)
+    return True
 
 
 def weight_bytes(model: nn.Module) -> int:
@@ -171,6 +176,8 @@ def round_trip_hf_linears(hf_model: nn.Module, spec: QuantizationSpec) -> int:
             round_trip(module.weight, spec.bits, spec.group_for(module.in_features))
             count += 1
     embeddings = hf_model.get_input_embeddings().weight
+    if embeddings.shape[0] % cpu_quant.BLOCK:
+        return count  # kept unquantized (quantize_embeddings)
     group = embedding_group(embeddings.shape[1])
     round_trip(embeddings, EMBEDDING_BITS, group)
     head = hf_model.get_output_embeddings()

@@ -141,3 +141,25 @@ def test_fp8_on_the_cpu_and_a_group_that_does_not_fit_fail_at_load(tiny_model_fa
     with pytest.raises(ValueError, match=r"--quantization int4: layer qkv_proj \[128, 64\]"):
         EngineCore(EngineConfig(model=str(base), device="cpu", quantization="int4",
                                 quantization_group_size=48))
+
+
+def test_a_vocabulary_off_the_kernels_blocks_keeps_its_embeddings(
+    smollm2_dir: Path, tmp_path: Path
+) -> None:
+    from tests.utils.tiny_models import make_tiny_model
+
+    base = make_tiny_model(tmp_path / "odd_vocab", smollm2_dir, vocab_size=49150)
+    core = EngineCore(EngineConfig(model=str(base), dtype="float32", quantization="int8",
+                                   max_loras=1, max_num_seqs=4))
+    model = core.runner.model
+    assert isinstance(model.embed_tokens, torch.nn.Embedding)
+    assert not isinstance(model.lm_head, QuantLinear)
+    prompt = random_prompt(12, seed=7, vocab_size=49150)
+    request = EngineRequest(request_id="odd", prompt_token_ids=tuple(prompt),
+                            sampling=SamplingParams(max_tokens=8, temperature=0,
+                                                    ignore_eos=True, logprobs=0))
+    [(tokens, logprobs)] = engine_tokens_and_logprobs(core, [request]).values()
+    oracle = dequantized_checkpoint(base, tmp_path / "oracle", QuantizationSpec("int8"))
+    hf = hf_logprobs(oracle, torch.float32, prompt, tokens)
+    assert all(abs(lp - float(hf[i, t])) <= LOGPROB_TOL
+               for i, (t, lp) in enumerate(zip(tokens, logprobs, strict=True)))
