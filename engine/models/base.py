@@ -53,9 +53,10 @@ class CausalLM(nn.Module):
     # Hugging Face module -> its parent in checkpoint and adapter names, e.g. "self_attn".
     module_parents: ClassVar[dict[str, str]] = {}
 
-    embed_tokens: nn.Module  # nn.Embedding, or a QuantEmbedding
+    # nn.Embedding (engine/models/quantized.py puts a QuantEmbedding here, and an output
+    # projection in lm_head, for a quantized base)
+    embed_tokens: nn.Embedding
     lm_head: nn.Module | None  # None: tied to embed_tokens
-    norm: nn.Module  # the final norm, in the serving dtype
     layers: nn.ModuleList
 
     def __init__(
@@ -69,6 +70,10 @@ class CausalLM(nn.Module):
         """max_positions: the longest sequence to serve (default: config.max_model_len)."""
         super().__init__()
         self.config = config
+        # Where the weights live and what the activations are in (a quantized base holds
+        # some weights as integers).
+        self.device = torch.device(device)
+        self.dtype = dtype
 
     # ---------------------------------------------------------------- architecture data
 
@@ -124,15 +129,12 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [S, HID] of the sampling positions only -> float32 logits [S, V]."""
         if self.lm_head is None:
-            return F.linear(hidden, self.embed_tokens.weight).float()  # type: ignore[arg-type]
+            return F.linear(hidden, self.embed_tokens.weight).float()
         return self.lm_head(hidden).float()
 
     def enable_lora(self, num_slots: int, max_rank: int) -> LoRASlots:
         """Give every LoRA group slot buffers for `num_slots` adapters of rank <= max_rank."""
-        # NOTE: the final norm's weight, not the embeddings': a quantized base holds those
-        # as integers (engine/models/quantized.py).
-        norm_weight = self.norm.weight
-        device, dtype = norm_weight.device, norm_weight.dtype
+        device, dtype = self.device, self.dtype
         shapes = self.lora_group_shapes(self.config)
         groups: list[dict[str, LoRAGroup]] = []
         for index in range(len(self.layers)):

@@ -22,6 +22,8 @@ it, which is faster there (docs/BENCHMARKS.md, "Quantized base models").
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 import torch
 from torch import nn
 
@@ -115,7 +117,7 @@ def quantize_embeddings(model: nn.Module, dtype: torch.dtype) -> bool:
     """The model's embeddings and output projection as int8 (EMBEDDING_GROUP): a tied
     output projection reads the same integers as the lookup. False (both kept in `dtype`)
     where the vocabulary is not a multiple of the kernel's 16-row blocks."""
-    table = model.embed_tokens.weight
+    table = cast(nn.Embedding, model.embed_tokens).weight
     vocab, hidden = table.shape
     if vocab % cpu_quant.BLOCK:
         return False
@@ -159,7 +161,7 @@ HF_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "d
 
 
 @torch.no_grad()
-def round_trip_hf_linears(hf_model: nn.Module, spec: QuantizationSpec) -> int:
+def round_trip_hf_linears(hf_model: Any, spec: QuantizationSpec) -> int:
     """Replace each decoder linear weight of a Hugging Face model, its embeddings and its
     output projection by the values their quantization under `spec` stands for
     (dequantize(quantize(w))), in place; returns how many decoder linears. Quantization is
