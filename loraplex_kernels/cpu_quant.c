@@ -6,7 +6,7 @@
    group-wise int4 with offsets (what GPTQ, AWQ and GGUF's Q4_1 store), group-wise int8
    (GGUF's Q8_0).
 
-   Layout (quant_layout in cpu_quant.py): output columns in blocks of 16; for each block,
+   Layout (cpu_quant.py's pack): output columns in blocks of 16; for each block,
    int8: q[k][16] as int8 for k < K; int4: byte[k / 2][16], the low nibble input k (even),
    the high nibble input k + 1, values 0..15. Scales and offsets: [N / 16][K / group][16].
 
@@ -16,9 +16,11 @@
    same sum as x . dequantized(w) up to float32 rounding (the scale applied once per
    group instead of once per weight).
 
-   A block's weights (K x 16 bytes, at most 16 KiB for K <= 1024 at int8) stay in L1 while
-   every tile of rows reads them; the row tiles are 8, 4, 2 or 1 rows so that a decode step
-   of one sequence does not pay for eight. Parallel over blocks with OpenMP (torch's pool).
+   Up to four rows (a decode step of few sequences), each tile of 4, 2 or 1 rows converts
+   the integers as it multiplies. More rows (AVX-512): each chunk of a block's integers is
+   converted to float32 once into L1, and tiles of 6 rows over two blocks (then 12, 8, 4, 2,
+   1 rows over one) read it there. Parallel over blocks (or pairs of blocks) with OpenMP on
+   torch's pool.
 */
 #include <stdint.h>
 #include <stdlib.h>
