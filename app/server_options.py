@@ -217,9 +217,10 @@ ENGINE_OPTIONS: dict[str, dict[str, Any]] = {
                          "on other CPUs."),
     "--quantization": dict(default="none", show_default=True, envvar="LORAPLEX_QUANTIZATION",
                            type=click.Choice(["none", "int8", "int4", "fp8"]),
-                           help="Weight-only quantization of the base model's decoder "
-                                "layers (CPU): int8 per output channel, int4 in groups; "
-                                "adapters, activations and the KV cache keep --dtype."),
+                           help="Weight-only quantization of the base model (CPU): its "
+                                "decoder layers int8 per output channel or int4 in groups, "
+                                "its embeddings and output projection int8; adapters, "
+                                "activations and the KV cache keep --dtype."),
     "--quantization-group-size": dict(
         default=None, type=click.IntRange(min=2),
         help="Inputs per quantization group (default: per channel for int8, 32 for int4)."),
