@@ -3,9 +3,9 @@
 `--dtype auto` on the CPU serves bfloat16 where the CPU multiplies bf16 faster than float32
 (the KV cache and weights then take half the memory too) and float32 elsewhere. AMX-BF16
 tiles always are (oneDNN's bf16 matmuls ran 5-6x its float32 ones). AVX-512 BF16 dot
-products alone differ by CPU: 1.5-2x float32 on Zen 4, but 0.55x on an Intel Xeon whose
-hypervisor hides AMX (the dot-product instruction there issues at half float32 FMA's rate;
-the served burst went 139 tok/s at float32 against 109-120 at bf16). There a prefill-sized
+products alone differ by CPU: 1.5-2x float32 on Zen 4, but 0.55-0.64x on an Intel Xeon
+whose hypervisor hides AMX (oneDNN's bf16 kernel there is the dot-product instruction's;
+the served burst went 134-139 tok/s at float32 against 109-120 at bf16). There a prefill-sized
 matmul is timed once at start in both dtypes, and bf16 is served only if it wins. The
 startup line and GET /admin/engine say what was found, measured and picked.
 """
@@ -27,11 +27,6 @@ class CpuFeatures:
     amx_bf16: bool  # Intel AMX tiles with bf16 (Sapphire Rapids and later)
     avx512_bf16: bool  # AVX-512 BF16 dot products (Cooper Lake, Sapphire Rapids, Zen 4+)
     avx512: bool
-
-    @property
-    def native_bf16(self) -> bool:
-        """bf16 matmuls run on bf16 hardware (not emulated through float32)."""
-        return self.amx_bf16 or self.avx512_bf16
 
     def describe(self) -> str:
         units = [name for name, has in (("AMX-BF16", self.amx_bf16),
