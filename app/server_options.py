@@ -24,7 +24,7 @@ from app.core.config import Settings, WorkerSettings
 from app.core.principal import REGISTRY_ENGINE_PREFIX
 from app.main import Mount, begin_drain
 from engine.client import EngineClient
-from engine.config import EngineConfig
+from engine.config import SCHEMES, EngineConfig
 from engine.models.config import ModelLoadError
 
 if TYPE_CHECKING:
@@ -216,7 +216,7 @@ ENGINE_OPTIONS: dict[str, dict[str, Any]] = {
                          "BF16 where a bf16 matmul timed at start beats float32's; float32 "
                          "on other CPUs."),
     "--quantization": dict(default="none", show_default=True, envvar="LORAPLEX_QUANTIZATION",
-                           type=click.Choice(["none", "int8", "int4", "fp8"]),
+                           type=click.Choice(SCHEMES),
                            help="Weight-only quantization of the base model (CPU): its "
                                 "decoder layers int8 per output channel or int4 in groups, "
                                 "its embeddings and output projection int8; adapters, "

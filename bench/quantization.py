@@ -156,7 +156,7 @@ def run_quant_quality(options: QuantQualityOptions) -> list[SchemeQuality]:
                 float_bytes += module.weight.numel() * 4
                 if spec.enabled:
                     linear_bytes += cpu_quant.quantize(
-                        module.weight, spec.bits, spec.group_for(module.in_features)).nbytes
+                        module.weight, spec.bits, spec.group).nbytes
                 else:
                     linear_bytes += module.weight.numel() * 4
         if spec.enabled:

@@ -55,9 +55,10 @@ class QuantizationSpec:
     def bits(self) -> int:
         return {"int8": 8, "int4": 4, "fp8": 8}.get(self.scheme, 0)
 
-    def group_for(self, in_features: int) -> int | None:
-        """The group size a layer is quantized with (None: one group per output channel,
-        whatever its `in_features`)."""
+    @property
+    def group(self) -> int | None:
+        """The group size every layer is quantized with (None: one group per output
+        channel)."""
         if self.scheme == "int4":
             return self.group_size or DEFAULT_INT4_GROUP_SIZE
         return self.group_size
@@ -86,7 +87,7 @@ class QuantizationSpec:
     def describe(self) -> str:
         if not self.enabled:
             return "none"
-        group = self.group_for(0)
+        group = self.group
         return f"{self.scheme} ({'per channel' if group is None else f'groups of {group}'})"
 
 

@@ -75,7 +75,7 @@ def quantize_linears(module: nn.Module, spec: QuantizationSpec) -> int:
         if isinstance(child, nn.Linear):
             out_features, in_features = child.weight.shape
             try:
-                qw = cpu_quant.quantize(child.weight, spec.bits, spec.group_for(in_features))
+                qw = cpu_quant.quantize(child.weight, spec.bits, spec.group)
             except ValueError as exc:
                 raise ValueError(f"--quantization {spec.scheme}: layer {name} "
                                  f"[{out_features}, {in_features}]: {exc}") from None
@@ -175,7 +175,7 @@ def round_trip_hf_linears(hf_model: Any, spec: QuantizationSpec) -> int:
 
     for name, module in hf_model.named_modules():
         if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in HF_LINEARS:
-            round_trip(module.weight, spec.bits, spec.group_for(module.in_features))
+            round_trip(module.weight, spec.bits, spec.group)
             count += 1
     embeddings = hf_model.get_input_embeddings().weight
     if embeddings.shape[0] % cpu_quant.BLOCK:
