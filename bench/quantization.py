@@ -50,6 +50,7 @@ class QuantKernelsOptions:
 def run_quant_kernels(options: QuantKernelsOptions) -> dict[str, dict[str, float]]:
     import torch
 
+    from engine.models.cpu_linear import packing_available
     from loraplex_kernels import cpu_quant
 
     gen = torch.Generator().manual_seed(0)
@@ -58,6 +59,13 @@ def run_quant_kernels(options: QuantKernelsOptions) -> dict[str, dict[str, float
     flat = [w for layer in weights for w in layer]
     ways: dict[str, list] = {}
     for dtype, name in ((torch.float32, "float32"), (torch.bfloat16, "bf16")):
+        if not packing_available(torch.device("cpu"), dtype):
+            # NOTE: oneDNN packs bf16 only on CPUs with AVX-512 (or AVX-NE-CONVERT); the
+            # engine serves such CPUs with plain matmuls, so those are what is timed.
+            cast = [w.to(dtype) for w in flat]
+            ways[f"torch {name}"] = [
+                (dtype, lambda x, w=w: torch.nn.functional.linear(x, w)) for w in cast]
+            continue
         packed = [torch.ops.mkldnn._reorder_linear_weight(w.to(dtype), 32) for w in flat]
         ways[f"oneDNN {name}"] = [
             (dtype, lambda x, p=p: torch.ops.mkldnn._linear_pointwise(

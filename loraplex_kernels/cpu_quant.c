@@ -16,11 +16,12 @@
    same sum as x . dequantized(w) up to float32 rounding (the scale applied once per
    group instead of once per weight).
 
-   Up to four rows (a decode step of few sequences), each tile of 4, 2 or 1 rows converts
-   the integers as it multiplies. More rows (AVX-512): each chunk of a block's integers is
-   converted to float32 once into L1, and tiles of 6 rows over two blocks (then 12, 8, 4, 2,
-   1 rows over one) read it there. Parallel over blocks (or pairs of blocks) with OpenMP on
-   torch's pool.
+   AVX-512, up to four rows (a decode step of few sequences): each tile of 4, 2 or 1 rows
+   converts the integers as it multiplies. More rows on AVX-512, and every step on AVX2:
+   each chunk of a block's integers is converted to float32 once into L1 ("buffered"), and
+   the row tiles read it there (AVX-512: 6 rows over two blocks, then 12, 8, 4, 2, 1 over
+   one; AVX2, where a block is two registers: 6, 4, 2, 1). Parallel over pairs of blocks
+   with OpenMP on torch's pool. Other CPUs: plain loops.
 */
 #include <stdint.h>
 #include <stdlib.h>
@@ -28,18 +29,11 @@
 
 #include "cpu_common.h"
 
-#define CB 16
-
-/* One tile of R rows (x: float32 rows of K, row stride K) against one block of 16
-   columns: acc[R][16] = the block's outputs before the bias. On AVX-512 the 16 columns
-   are one register and each row's sums stay in registers (R <= 8: 2 R of 32); elsewhere
-   plain loops the compiler vectorizes. */
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
+#endif
 
-static inline __attribute__((always_inline)) __m512 load_q8(const int8_t *q) {
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q)));
-}
+#define CB 16
 
 #define ROWS_1(M) M(0)
 #define ROWS_2(M) M(0) M(1)
@@ -49,6 +43,16 @@ static inline __attribute__((always_inline)) __m512 load_q8(const int8_t *q) {
 #define ROWS_12(M) ROWS_8(M) M(8) M(9) M(10) M(11)
 /* The rows are spelled out (ROWS_R) so that each row's sums are a named register: gcc
    kept an array of them in memory, at half the speed. */
+
+/* One tile of R rows (x: float32 rows of K, row stride K) against one block of 16
+   columns: acc[R][16] = the block's outputs before the bias. On AVX-512 the 16 columns
+   are one register and each row's sums stay in registers (R <= 8: 2 R of 32); elsewhere
+   plain loops the compiler vectorizes. */
+#if defined(__AVX512F__)
+static inline __attribute__((always_inline)) __m512 load_q8(const int8_t *q) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q)));
+}
+
 #define T_ZERO(r) __m512 a##r = _mm512_setzero_ps(), p##r;
 #define T_PZERO(r) p##r = _mm512_setzero_ps();
 #define T_STEP8(r) p##r = _mm512_fmadd_ps(_mm512_set1_ps(x[(r) * K + k]), w, p##r);
@@ -156,11 +160,15 @@ static inline void store_rows(const float *acc, int rows, int64_t col, const flo
         t += R;                                                                             \
     } while (0)
 
+/* Buffered steps: each chunk of a block's integers is converted to float32 once (wf, in
+   L1) and every row tile reads it from there, so the conversion is paid once per weight
+   instead of once per weight and tile; the partial sums of a group and the outputs wait
+   in per-thread buffers of T x 16 floats between chunks. Each instruction set gives
+   convert_chunk (the integers of inputs [k0, k0 + n) of one block as float32 rows of 16)
+   and chunk_tiles (part[b][t][16] (+)= x[t][k0 .. k0 + n) . wf[b] for every row t of the
+   step and each of the nb blocks). */
 #if defined(__AVX512F__)
-/* Steps of more than a few rows: each chunk of a block's integers is converted to float32
-   once (wf, in L1) and every row tile reads it from there, so the conversion is paid once
-   per weight instead of once per weight and tile; the partial sums of a group and the
-   outputs wait in per-thread buffers of T x 16 floats between chunks. */
+#define HAVE_BUFFERED 1
 #define BUFFERED_MIN_ROWS 5
 
 static inline void convert_chunk(const uint8_t *wb, int bits, int64_t k0, int64_t n,
@@ -236,6 +244,94 @@ static inline void single_tiles(const float *xf, int64_t T, int64_t t, int64_t K
     if (T - t >= 1) btile_1(xf + t * K, K, k0, chunk, wf, part + t * CB, first);
 }
 
+static inline void chunk_tiles(const float *xf, int64_t T, int64_t K, int64_t k0,
+                               int64_t chunk, const float *wf, int64_t nb, float *part,
+                               int first) {
+    int64_t t = 0;
+    if (nb == 2)
+        for (; T - t >= 6; t += 6)
+            pair_tile_6(xf + t * K, K, k0, chunk, wf, wf + chunk * CB, part + t * CB,
+                        part + (T + t) * CB, first);
+    for (int64_t b = 0; b < nb; b++)
+        single_tiles(xf, T, t, K, k0, chunk, wf + b * chunk * CB, part + b * T * CB, first);
+}
+
+#elif defined(__AVX2__) && defined(__FMA__)
+/* AVX2: a block's 16 columns are two registers, so a row tile of R rows holds 2 R sums
+   (R <= 6 of 16 registers). Every step runs buffered, one path for all sizes: on an AMD
+   EPYC (Zen) with AVX2 it runs SmolLM2's layers at 0.6x oneDNN float32's time for one row
+   and at its time for 32 (`loraplex bench quant-kernels`). */
+#define HAVE_BUFFERED 1
+#define BUFFERED_MIN_ROWS 1
+
+static inline void convert_chunk(const uint8_t *wb, int bits, int64_t k0, int64_t n,
+                                 float *restrict wf) {
+    if (bits == 8) {
+        for (int64_t k = 0; k < n; k++) {
+            const __m128i b = _mm_loadu_si128((const __m128i *)(wb + (k0 + k) * CB));
+            _mm256_store_ps(wf + k * CB, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)));
+            _mm256_store_ps(wf + k * CB + 8,
+                            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8))));
+        }
+        return;
+    }
+    const __m256i low = _mm256_set1_epi32(15);
+    for (int64_t k = 0; k < n; k += 2) {
+        const __m128i b = _mm_loadu_si128((const __m128i *)(wb + ((k0 + k) / 2) * CB));
+        const __m256i u0 = _mm256_cvtepu8_epi32(b);
+        const __m256i u1 = _mm256_cvtepu8_epi32(_mm_srli_si128(b, 8));
+        float *r0 = wf + k * CB, *r1 = r0 + CB;
+        _mm256_store_ps(r0, _mm256_cvtepi32_ps(_mm256_and_si256(u0, low)));
+        _mm256_store_ps(r0 + 8, _mm256_cvtepi32_ps(_mm256_and_si256(u1, low)));
+        _mm256_store_ps(r1, _mm256_cvtepi32_ps(_mm256_srli_epi32(u0, 4)));
+        _mm256_store_ps(r1 + 8, _mm256_cvtepi32_ps(_mm256_srli_epi32(u1, 4)));
+    }
+}
+
+#define BT_LOAD(r)                                                                          \
+    __m256 p##r = first ? _mm256_setzero_ps() : _mm256_load_ps(part + (r) * CB);           \
+    __m256 q##r = first ? _mm256_setzero_ps() : _mm256_load_ps(part + (r) * CB + 8);
+#define BT_STEP(r)                                                                          \
+    {                                                                                       \
+        const __m256 xv = _mm256_broadcast_ss(x + (r) * K + k);                             \
+        p##r = _mm256_fmadd_ps(xv, w0, p##r);                                               \
+        q##r = _mm256_fmadd_ps(xv, w1, q##r);                                               \
+    }
+#define BT_STORE(r)                                                                         \
+    _mm256_store_ps(part + (r) * CB, p##r);                                                 \
+    _mm256_store_ps(part + (r) * CB + 8, q##r);
+#define DEFINE_BUFFERED_TILE(R)                                                             \
+    static inline void btile_##R(const float *restrict x, int64_t K, int64_t k0, int64_t n, \
+                                 const float *restrict wf, float *restrict part, int first) { \
+        ROWS_##R(BT_LOAD)                                                                   \
+        for (int64_t k = k0; k < k0 + n; k++) {                                             \
+            const __m256 w0 = _mm256_load_ps(wf + (k - k0) * CB);                           \
+            const __m256 w1 = _mm256_load_ps(wf + (k - k0) * CB + 8);                       \
+            ROWS_##R(BT_STEP)                                                               \
+        }                                                                                   \
+        ROWS_##R(BT_STORE)                                                                  \
+    }
+DEFINE_BUFFERED_TILE(6)
+DEFINE_BUFFERED_TILE(4)
+DEFINE_BUFFERED_TILE(2)
+DEFINE_BUFFERED_TILE(1)
+
+static inline void chunk_tiles(const float *xf, int64_t T, int64_t K, int64_t k0,
+                               int64_t chunk, const float *wf, int64_t nb, float *part,
+                               int first) {
+    for (int64_t b = 0; b < nb; b++) {
+        const float *w = wf + b * chunk * CB;
+        float *pb = part + b * T * CB;
+        int64_t t = 0;
+        for (; T - t >= 6; t += 6) btile_6(xf + t * K, K, k0, chunk, w, pb + t * CB, first);
+        if (T - t >= 4) { btile_4(xf + t * K, K, k0, chunk, w, pb + t * CB, first); t += 4; }
+        if (T - t >= 2) { btile_2(xf + t * K, K, k0, chunk, w, pb + t * CB, first); t += 2; }
+        if (T - t >= 1) btile_1(xf + t * K, K, k0, chunk, w, pb + t * CB, first);
+    }
+}
+#endif
+
+#if defined(HAVE_BUFFERED)
 /* Inputs converted at a time: the group, or for groups of more than 128 inputs (int8 per
    channel) the largest power of two up to 128 that divides it. */
 static int64_t chunk_for(int64_t group) {
@@ -271,31 +367,25 @@ static int buffered_linear(const float *xf, const float *xsum, int64_t T, int64_
                 memset(acc, 0, sizeof(float) * (size_t)(nb * T * CB));
                 for (int64_t g = 0; g < ngroups; g++) {
                     for (int64_t k0 = g * group; k0 < (g + 1) * group; k0 += chunk) {
-                        const int first = k0 == g * group;
                         for (int64_t b = 0; b < nb; b++)
                             convert_chunk((const uint8_t *)w + (blk0 + b) * block_bytes, bits,
                                           k0, chunk, wf + b * chunk * CB);
-                        int64_t t = 0;
-                        if (nb == 2)
-                            for (; T - t >= 6; t += 6)
-                                pair_tile_6(xf + t * K, K, k0, chunk, wf, wf + chunk * CB,
-                                            part + t * CB, part + (T + t) * CB, first);
-                        for (int64_t b = 0; b < nb; b++)
-                            single_tiles(xf, T, t, K, k0, chunk, wf + b * chunk * CB,
-                                         part + b * T * CB, first);
+                        chunk_tiles(xf, T, K, k0, chunk, wf, nb, part, k0 == g * group);
                     }
+                    /* The group's sums scaled (and its offsets times the rows' sums). */
                     for (int64_t b = 0; b < nb; b++) {
                         const int64_t gi = (blk0 + b) * ngroups + g;
-                        const __m512 sv = _mm512_loadu_ps(s + gi * CB);
-                        const __m512 mv = m ? _mm512_loadu_ps(m + gi * CB) : _mm512_setzero_ps();
+                        const float *sv = s + gi * CB, *mv = m ? m + gi * CB : 0;
                         float *ab = acc + b * T * CB;
                         const float *pb = part + b * T * CB;
                         for (int64_t t = 0; t < T; t++) {
-                            __m512 a = _mm512_load_ps(ab + t * CB);
-                            a = _mm512_fmadd_ps(_mm512_load_ps(pb + t * CB), sv, a);
-                            if (m)
-                                a = _mm512_fmadd_ps(_mm512_set1_ps(xsum[t * ngroups + g]), mv, a);
-                            _mm512_store_ps(ab + t * CB, a);
+                            float *a = ab + t * CB;
+                            const float *p = pb + t * CB;
+                            for (int c = 0; c < CB; c++) a[c] += p[c] * sv[c];
+                            if (mv) {
+                                const float xs = xsum[t * ngroups + g];
+                                for (int c = 0; c < CB; c++) a[c] += xs * mv[c];
+                            }
                         }
                     }
                 }
@@ -343,7 +433,7 @@ int quant_linear(const void *x, int64_t ldx, int in_bf16, int64_t T, int64_t K,
                 xsum[t * ngroups + g] = acc;
             }
     }
-#if defined(__AVX512F__)
+#if defined(HAVE_BUFFERED)
     if (T >= BUFFERED_MIN_ROWS) {
         const int failed = buffered_linear(xf, xsum, T, K, w, bits, group, s, m, N, bias, y,
                                            ldy, out_bf16, nthreads);
