@@ -15,7 +15,7 @@ from bench.harness.options import options_command
 from bench.kernels import KernelsOptions
 from bench.long_prompts import LongPromptOptions
 from bench.lora import LoRABenchOptions
-from bench.quantization import QuantKernelsOptions, QuantQualityOptions
+from bench.quantization import QuantKernelsOptions, QuantLoadOptions, QuantQualityOptions
 from bench.roofline import RooflineOptions
 from bench.serve.options import ServeOptions
 from bench.soak.run import SoakOptions, run_soak
@@ -128,6 +128,16 @@ def quant_kernels(options: QuantKernelsOptions) -> None:
     from bench.quantization import run_quant_kernels
 
     run_quant_kernels(options)
+
+
+@bench.command("quant-load")
+@options_command(QuantLoadOptions)
+def quant_load(options: QuantLoadOptions) -> None:
+    """Each --quantization scheme's load in a fresh process: seconds, peak RSS, weight
+    bytes (quantized as the layers load, or read as stored)."""
+    from bench.quantization import run_quant_load
+
+    run_quant_load(options)
 
 
 @bench.command("quant-quality")

@@ -24,6 +24,7 @@ import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from bench.harness.options import opt
 from bench.harness.report import save_report
@@ -192,3 +193,64 @@ def run_quant_quality(options: QuantQualityOptions) -> list[SchemeQuality]:
     }, "quant-quality", options.output)
     return results
 
+
+
+@dataclass(slots=True)
+class QuantLoadOptions:
+    model: str = opt("default", "'default' (bundled SmolLM2) or a local HF directory")
+    schemes: tuple[str, ...] = opt(("none", "int8", "int4"), "SCHEME or SCHEME:GROUP_SIZE")
+    dtype: str = opt("float32", "the serving dtype")
+    output: Path | None = opt(None, "JSON report",
+                              shown="bench/results/quant-load-<timestamp>.json")
+
+
+# Run in a fresh interpreter per scheme, so that each peak RSS is its own.
+_LOAD_PROBE = """
+import json, resource, sys, time
+from engine.config import EngineConfig
+from engine.core.engine_core import EngineCore
+model, dtype, scheme, group = sys.argv[1:5]
+import torch  # the interpreter's own memory before the model
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+start = time.perf_counter()
+core = EngineCore(EngineConfig(model=model, dtype=dtype, quantization=scheme,
+                               quantization_group_size=int(group) or None,
+                               kv_cache_tokens=256, max_loras=1, max_num_seqs=4))
+seconds = time.perf_counter() - start
+runner = core.runner
+print(json.dumps({
+    "load_s": round(seconds, 2),
+    "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+    "rss_before_mib": round(before / 1024, 1),
+    "weight_bytes": runner.weight_bytes,
+    "source": "gguf blocks" if runner.gguf_source else
+              ("checkpoint" if runner.checkpoint_scheme else "float checkpoint"),
+}))
+"""
+
+
+def run_quant_load(options: QuantLoadOptions) -> list[dict[str, Any]]:
+    """Each scheme's load in a fresh process: seconds to a ready engine (a 256-token KV
+    cache, so that the weights dominate), peak RSS, weight bytes."""
+    import json
+    import subprocess
+    import sys
+
+    model_dir, _ = resolve_model(options.model)
+    results: list[dict[str, Any]] = []
+    for text in options.schemes:
+        spec = _spec(text)
+        done = subprocess.run(
+            [sys.executable, "-c", _LOAD_PROBE, str(model_dir), options.dtype, spec.scheme,
+             str(spec.group_size or 0)], capture_output=True, text=True, check=True)
+        row: dict[str, Any] = {"scheme": spec.describe(),
+                               **json.loads(done.stdout.strip().splitlines()[-1])}
+        results.append(row)
+        print(f"{spec.describe():24s} load {row['load_s']:5.2f} s  peak RSS "
+              f"{row['peak_rss_mib']:7.1f} MiB (interpreter {row['rss_before_mib']} MiB)  "
+              f"weights {row['weight_bytes'] / 2**20:6.1f} MiB  from {row['source']}",
+              flush=True)
+    save_report({"options": {**asdict(options), "output": None if options.output is None
+                             else str(options.output)},
+                 "started_at": time.time(), "results": results}, "quant-load", options.output)
+    return results

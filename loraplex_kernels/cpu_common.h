@@ -4,6 +4,7 @@
 #ifndef LORAPLEX_CPU_COMMON_H
 #define LORAPLEX_CPU_COMMON_H
 
+#include <stddef.h>
 #include <stdint.h>
 
 /* The dot product in 8 independent lanes, vectorized without reassociating a sum (so a

@@ -115,7 +115,17 @@ def pack(q: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None,
 
 
 def quantize(weight: torch.Tensor, bits: int, group_size: int | None = None) -> QuantizedWeight:
-    """Round-to-nearest quantization of a float weight [N, K].
+    """Round-to-nearest quantization of a float weight [N, K] (`quantize_integers`),
+    packed."""
+    q, scale, offset, group = quantize_integers(weight, bits, group_size)
+    return pack(q, scale, offset, bits, group)
+
+
+def quantize_integers(weight: torch.Tensor, bits: int, group_size: int | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
+    """Round-to-nearest quantization of a float weight [N, K], unpacked: integers [N, K]
+    (int8, or uint8 0..15), scales and offsets (or None) [N, K / group] float32, and the
+    group size.
 
     int8: symmetric, one scale per output channel (group_size None) or per group.
     int4: asymmetric per group (a scale and the group's minimum as offset: w = q s + min)."""
@@ -129,13 +139,13 @@ def quantize(weight: torch.Tensor, bits: int, group_size: int | None = None) -> 
         scale = wg.abs().amax(-1) / 127.0
         scale = torch.where(scale > 0, scale, torch.ones_like(scale))
         q = torch.round(wg / scale[..., None]).clamp_(-127, 127)
-        return pack(q.reshape(n, k), scale, None, 8, group)
+        return q.reshape(n, k).to(torch.int8), scale, None, group
     if bits == 4:
         lo, hi = wg.amin(-1), wg.amax(-1)
         scale = (hi - lo) / 15.0
         scale = torch.where(scale > 0, scale, torch.ones_like(scale))
         q = torch.round((wg - lo[..., None]) / scale[..., None]).clamp_(0, 15)
-        return pack(q.reshape(n, k), scale, lo, 4, group)
+        return q.reshape(n, k).to(torch.uint8), scale, lo, group
     raise ValueError(f"{bits}-bit weights are not served (8 or 4)")
 
 

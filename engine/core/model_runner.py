@@ -24,9 +24,12 @@ from engine.models.attention import (
     allocate_kv_cache,
 )
 from engine.models.base import CausalLM
+from engine.models.checkpoint_quant import checkpoint_scheme, quantized_tensors
 from engine.models.cpu_linear import amx_weight_bytes, pack_linears, packing_available
+from engine.models.gguf_weights import GGUF_GROUP, gguf_tensors
 from engine.models.loader import (
     ModelConfig,
+    bundled_source,
     iter_safetensors,
     load_tokenizer,
     validate_model_dir,
@@ -136,7 +139,22 @@ class ModelRunner:
         self.device, self.dtype = resolve_device_dtype(config.device, config.dtype)
         self.compute = describe_compute(self.device)  # what the dtype was chosen for
         self.quantization = QuantizationSpec(config.quantization, config.quantization_group_size)
+        # A pre-quantized checkpoint runs at its own precision (checkpoint_quant.py).
+        self.checkpoint_scheme = checkpoint_scheme(self.model_dir)
+        if self.checkpoint_scheme is not None:
+            stored = self.checkpoint_scheme
+            if self.quantization.enabled and self.quantization.bits != stored.bits:
+                raise ValueError(
+                    f"--quantization {self.quantization.scheme} cannot serve "
+                    f"{self.model_dir.name}: its weights are {stored.describe()} (its "
+                    f"config.json); leave --quantization unset (or int{stored.bits})")
+            self.quantization = stored.spec
         self.quantization.check_device(self.device)
+        # int4 in groups of 32 on the bundled model: its GGUF's Q4_1 blocks as they are.
+        self.gguf_source: Path | None = None
+        if (self.checkpoint_scheme is None and self.quantization.scheme == "int4"
+                and self.quantization.group == GGUF_GROUP):
+            self.gguf_source = bundled_source(self.model_dir)
         cpu_build.configure(config.kernel_settings)
         if self.device.type == "cpu":
             torch.set_num_threads(config.num_threads or len(os.sched_getaffinity(0)))
@@ -205,17 +223,36 @@ class ModelRunner:
         model: CausalLM = model_cls(
             self.model_config, max_positions=max_model_len, device=self.device, dtype=self.dtype
         )
-        model.load_weights(iter_safetensors(self.model_dir))
+        tensors = iter_safetensors(self.model_dir)
+        if self.checkpoint_scheme is not None:
+            num_quantized = model.load_weights(quantized_tensors(tensors, self.checkpoint_scheme))
+        elif self.gguf_source is not None:
+            num_quantized = model.load_weights(
+                gguf_tensors(self.gguf_source, self.model_config, native_int4=True),
+                quantize=self.quantization)
+        else:
+            # A float checkpoint is quantized layer by layer as it loads: no float copy of
+            # the decoder's linear layers is ever held.
+            num_quantized = model.load_weights(
+                tensors, quantize=self.quantization if self.quantization.enabled else None)
         model.eval()
         if self.quantization.enabled:
-            # The decoder layers' linears only: embeddings and lm_head keep the dtype.
-            num_quantized = quantize_linears(model.layers, self.quantization)
+            # Decoder linears the checkpoint left in float get the same scheme.
+            num_quantized += quantize_linears(model.layers, self.quantization)
             tables = ("the embeddings and the output projection to int8"
                       if quantize_embeddings(model, self.dtype) else
                       f"the embeddings and the output projection kept in {self.dtype} (a "
                       f"vocabulary of {self.model_config.vocab_size}, not a multiple of 16)")
-            logger.info("quantized %d linear layers to %s; %s", num_quantized,
-                        self.quantization.describe(), tables)
+            if self.checkpoint_scheme is not None:
+                source = (f"loaded {num_quantized} linear layers as stored "
+                          f"({self.checkpoint_scheme.describe()})")
+            elif self.gguf_source is not None:
+                source = (f"loaded {num_quantized} linear layers from {self.gguf_source.name}"
+                          f"'s blocks ({self.quantization.describe()})")
+            else:
+                source = (f"quantized {num_quantized} linear layers to "
+                          f"{self.quantization.describe()}")
+            logger.info("%s; %s", source, tables)
         if config.pack_cpu_weights and packing_available(self.device, self.dtype):
             tied = model.embed_tokens.weight if model.lm_head is None else None
             num_packed = pack_linears(model, lm_head_weight=tied)

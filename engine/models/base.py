@@ -18,9 +18,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.config import QuantizationSpec
 from engine.lora.layers import LoRAGroup, LoRASlots
 from engine.models.attention import AttentionMetadata, LayerKVCache
 from engine.models.config import ArchFields, ModelConfig, ModelLoadError, switched_window
+from engine.models.quantized import QuantizedRows, QuantLinear, quantize_rows
 from loraplex_kernels import reference as ref
 
 # Modules are built on the meta device, then materialized empty (see LlamaForCausalLM).
@@ -163,13 +165,26 @@ class CausalLM(nn.Module):
             return True
         return name == "lm_head.weight" and self.config.tie_word_embeddings
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedRows]],
+                     quantize: QuantizationSpec | None = None) -> int:
         """Copy Hugging Face-named tensors into the parameters; every parameter must be
-        covered exactly, else ModelLoadError names what is missing or wrong."""
+        covered exactly, else ModelLoadError names what is missing or wrong.
+
+        A decoder linear layer's weight may come as QuantizedRows (a pre-quantized
+        checkpoint), and with `quantize` every float one is quantized as it arrives: such a
+        layer becomes a QuantLinear once all its parts are in, and its float parameter is
+        never written (so a float checkpoint loads at its quantized size). Returns how many
+        layers were loaded quantized."""
         targets = self.weight_targets()
         pending = set(targets)
         unexpected: list[str] = []
         head_dim = self.config.head_dim
+        linears = {id(module.weight): (parent, attr, module)
+                   for parent in self.layers.modules()
+                   for attr, module in parent.named_children() if isinstance(module, nn.Linear)}
+        # id(linear weight) -> (first row, rows) of its quantized parts; its float parts.
+        quantized: dict[int, list[tuple[int, QuantizedRows]]] = {}
+        dense: dict[int, list[str]] = {}
         with torch.no_grad():
             for name, tensor in weights:
                 target = targets.get(name)
@@ -184,9 +199,32 @@ class CausalLM(nn.Module):
                         f"tensor {name} has shape {list(tensor.shape)}, "
                         f"the config expects {list(want)}"
                     )
+                param = dest if dest._base is None else dest._base
+                is_linear = id(param) in linears and dest.dim() == 2
+                if isinstance(tensor, torch.Tensor) and is_linear and quantize is not None:
+                    try:
+                        tensor = quantize_rows(tensor, quantize)
+                    except ValueError as exc:
+                        raise ModelLoadError(f"--quantization {quantize.scheme}: {name} "
+                                             f"{list(tensor.shape)}: {exc}") from None
                 if target.rope_rows:
-                    tensor = interleave_leading_rows(tensor, target.rope_rows, head_dim)
-                dest.copy_(tensor)
+                    rows = target.rope_rows
+
+                    def rope(t: torch.Tensor, rows: int = rows) -> torch.Tensor:
+                        return interleave_leading_rows(t, rows, head_dim)
+
+                    tensor = tensor.map_rows(rope) if isinstance(tensor, QuantizedRows) \
+                        else rope(tensor)
+                if isinstance(tensor, QuantizedRows):
+                    if not is_linear:
+                        raise ModelLoadError(f"tensor {name} is quantized; only the decoder "
+                                             "layers' linear weights may be")
+                    row0 = (dest.storage_offset() - param.storage_offset()) // dest.stride(0)
+                    quantized.setdefault(id(param), []).append((row0, tensor))
+                else:
+                    dest.copy_(tensor)
+                    if is_linear:
+                        dense.setdefault(id(param), []).append(name)
                 pending.discard(name)
         if unexpected:
             raise ModelLoadError(
@@ -198,6 +236,19 @@ class CausalLM(nn.Module):
                 f"checkpoint is missing {len(pending)} tensors, "
                 f"e.g. {', '.join(sorted(pending)[:5])}"
             )
+        for key, parts in quantized.items():
+            parent, attr, module = linears[key]
+            label = f"{attr} [{module.out_features}, {module.in_features}]"
+            if key in dense:
+                raise ModelLoadError(f"layer {label} mixes quantized and float parts "
+                                     f"({', '.join(dense[key])} unquantized)")
+            parts.sort(key=lambda part: part[0])
+            try:
+                qw = QuantizedRows.cat([p for _, p in parts]).pack()
+            except ValueError as exc:
+                raise ModelLoadError(f"layer {label}: {exc}") from None
+            setattr(parent, attr, QuantLinear(qw, module.bias))
+        return len(quantized)
 
 
 def interleave_leading_rows(tensor: torch.Tensor, rows: int, head_dim: int) -> torch.Tensor:

