@@ -192,7 +192,7 @@ class AsyncEngine:
             step_seconds=core.step_seconds,
             dtype=dtype_name(core.runner.dtype),
             compute=core.runner.compute,
-            quantization=core.runner.quantization.describe(),
+            quantization=core.runner.describe_quantization(),
             weight_bytes=core.runner.weight_bytes,
             **structured_stats(core),
         )

@@ -312,6 +312,16 @@ class ModelRunner:
         logger.info("KV cache budget: %s", budget.describe())
         return budget
 
+    def describe_quantization(self) -> str:
+        """The scheme the weights run under, and where a checkpoint's own integers came
+        from ("int4 (groups of 128), as stored: GPTQ")."""
+        text = self.quantization.describe()
+        if self.checkpoint_scheme is not None:
+            return f"{text}, as stored: {self.checkpoint_scheme.describe().split(',')[0]}"
+        if self.gguf_source is not None:
+            return f"{text}, as stored: GGUF Q4_1"
+        return text
+
     def fast_paths(self) -> dict[str, bool]:
         """CPU: whether each part of a step runs its fast path in this dtype (packed
         oneDNN linears, the fused kernels, paged decode attention); {} on CUDA."""

@@ -92,6 +92,7 @@ def served_from_blocks(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFacto
 def test_int4_on_the_bundled_model_serves_its_q4_1_blocks(served_from_blocks) -> None:
     core, oracle, adapters = served_from_blocks
     assert core.runner.gguf_source == bundled_gguf_path()
+    assert core.runner.describe_quantization() == "int4 (groups of 32), as stored: GGUF Q4_1"
     layers = [m for m in core.runner.model.layers.modules() if isinstance(m, QuantLinear)]
     assert len(layers) == 4 * 30
     assert {(m.quantized.bits, m.quantized.group_size) for m in layers} == {(4, GGUF_GROUP)}
@@ -108,3 +109,4 @@ def test_a_copy_without_the_marker_is_quantized_on_load(smollm2_dir: Path,
                                    max_loras=1, max_num_seqs=4))
     assert core.runner.gguf_source is None
     assert core.runner.quantization.group == GGUF_GROUP
+    assert core.runner.describe_quantization() == "int4 (groups of 32)"

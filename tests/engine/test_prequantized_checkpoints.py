@@ -85,6 +85,10 @@ def test_a_prequantized_checkpoint_serves_what_it_stores(
     runner = core.runner
     assert runner.checkpoint_scheme is not None
     assert runner.quantization.scheme == f"int{bits}"
+    method = {"gptq": "GPTQ", "awq": "AWQ"}.get(fmt.split("-")[0], "compressed-tensors")
+    assert runner.describe_quantization().startswith(f"int{bits} (")
+    assert runner.describe_quantization().endswith(f", as stored: {method}" + (
+        f" {runner.checkpoint_scheme.fmt}" if method == "compressed-tensors" else ""))
     layers = [m for m in runner.model.layers.modules() if isinstance(m, QuantLinear)]
     assert len(layers) == 4 * 2  # qkv, o, gate_up, down of both layers, fused as stored
     for layer in layers:
