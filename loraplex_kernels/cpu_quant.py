@@ -27,6 +27,7 @@ from loraplex_kernels.cpu_build import SOURCE_DIR, LazyLibrary
 
 BLOCK = 16  # output columns per block of the layout
 BITS = (8, 4)
+QUANTIZE_ROWS = 4096  # rows quantized at a time (quantize_integers)
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -128,25 +129,36 @@ def quantize_integers(weight: torch.Tensor, bits: int, group_size: int | None = 
     group size.
 
     int8: symmetric, one scale per output channel (group_size None) or per group.
-    int4: asymmetric per group (a scale and the group's minimum as offset: w = q s + min)."""
-    w = weight.detach().float()
-    n, k = w.shape
+    int4: asymmetric per group (a scale and the group's minimum as offset: w = q s + min).
+
+    Rows are quantized QUANTIZE_ROWS at a time, so that the float temporaries of a large
+    matrix (an embedding table) stay small."""
+    n, k = weight.shape
     group = k if group_size is None else group_size
     if group <= 0 or k % group:
         raise ValueError(f"group size {group} does not divide {k} input features")
-    wg = w.reshape(n, k // group, group)
-    if bits == 8:
-        scale = wg.abs().amax(-1) / 127.0
-        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-        q = torch.round(wg / scale[..., None]).clamp_(-127, 127)
-        return q.reshape(n, k).to(torch.int8), scale, None, group
-    if bits == 4:
-        lo, hi = wg.amin(-1), wg.amax(-1)
-        scale = (hi - lo) / 15.0
-        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-        q = torch.round((wg - lo[..., None]) / scale[..., None]).clamp_(0, 15)
-        return q.reshape(n, k).to(torch.uint8), scale, lo, group
-    raise ValueError(f"{bits}-bit weights are not served (8 or 4)")
+    if bits not in BITS:
+        raise ValueError(f"{bits}-bit weights are not served (8 or 4)")
+    q = torch.empty(n, k, dtype=torch.int8 if bits == 8 else torch.uint8)
+    scales = torch.empty(n, k // group)
+    offsets = None if bits == 8 else torch.empty(n, k // group)
+    for r0 in range(0, n, QUANTIZE_ROWS):
+        r1 = min(n, r0 + QUANTIZE_ROWS)
+        wg = weight[r0:r1].detach().float().reshape(r1 - r0, k // group, group)
+        if bits == 8:
+            scale = wg.abs().amax(-1) / 127.0
+            scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+            rows = torch.round(wg / scale[..., None]).clamp_(-127, 127)
+        else:
+            lo, hi = wg.amin(-1), wg.amax(-1)
+            scale = (hi - lo) / 15.0
+            scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+            rows = torch.round((wg - lo[..., None]) / scale[..., None]).clamp_(0, 15)
+            assert offsets is not None
+            offsets[r0:r1] = lo
+        q[r0:r1] = rows.reshape(r1 - r0, k)
+        scales[r0:r1] = scale
+    return q, scales, offsets, group
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import shutil
+import struct
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -313,16 +314,61 @@ def safetensors_files(path: Path) -> list[Path]:
     raise ModelLoadError(f"{path} has no *.safetensors weights")
 
 
-def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    from safetensors import safe_open
+# safetensors dtype names -> torch dtypes.
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+_MAX_HEADER_BYTES = 100 * 2**20
 
+
+def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the model's safetensors files, in file order, each read into its
+    own memory.
+
+    NOTE: read, not mapped: safetensors' safe_open maps the whole file, and every page a
+    tensor was copied from stays in the process's RSS until the file closes, so loading a
+    float32 checkpoint under --quantization peaked at the file's size on top of the
+    integers. Reading one tensor at a time holds only the tensor being loaded."""
     for file in safetensors_files(path):
         try:
-            with safe_open(str(file), framework="pt") as f:
-                for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                    yield name, f.get_tensor(name)
-        except (OSError, ValueError, RuntimeError) as e:
+            yield from _read_safetensors(file)
+        except (OSError, ValueError, KeyError, TypeError, struct.error) as e:
             raise ModelLoadError(f"cannot read weights from {file}: {e}") from e
+
+
+def _read_safetensors(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """The safetensors layout: an 8-byte little-endian header size, a JSON header of
+    name -> {dtype, shape, data_offsets [start, end)} (offsets past the header), the data."""
+    with open(file, "rb") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        if size > _MAX_HEADER_BYTES:
+            raise ValueError(f"a header of {size} bytes")
+        header = json.loads(f.read(size))
+        if not isinstance(header, dict):
+            raise ValueError("the header is not a JSON object")
+        data_start = 8 + size
+        entries = sorted(((name, info) for name, info in header.items()
+                          if name != "__metadata__"),
+                         key=lambda entry: entry[1]["data_offsets"][0])
+        for name, info in entries:
+            dtype = _SAFETENSORS_DTYPES.get(info["dtype"])
+            if dtype is None:
+                raise ValueError(f"tensor {name} has dtype {info['dtype']!r}")
+            start, end = (int(v) for v in info["data_offsets"])
+            tensor = torch.empty([int(d) for d in info["shape"]], dtype=dtype)
+            nbytes = tensor.numel() * tensor.element_size()
+            if end - start != nbytes:
+                raise ValueError(f"tensor {name} {info['dtype']} {info['shape']} has "
+                                 f"{end - start} bytes")
+            if nbytes:
+                f.seek(data_start + start)
+                buffer = tensor.reshape(-1).view(torch.uint8).numpy()
+                if f.readinto(buffer.data) != nbytes:
+                    raise ValueError(f"the file ends inside tensor {name}")
+            yield name, tensor
 
 
 # ---------------------------------------------------------------------------- tokenizer

@@ -359,3 +359,33 @@ def test_config_json_not_json(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ModelLoadError, match="is not valid JSON"):
         load_model_config(tmp_path)
+
+
+def test_safetensors_are_read_as_the_library_writes_them_and_damage_is_named(
+    tmp_path: Path, tiny_dir: Path
+) -> None:
+    from safetensors.torch import load_file, save_file
+
+    expected = load_file(str(tiny_dir / "model.safetensors"))
+    # Every dtype a checkpoint may hold, as the safetensors library lays them out.
+    odd = {"bf16": torch.randn(3, 5).bfloat16(), "i32": torch.arange(7, dtype=torch.int32),
+           "u8": torch.arange(9, dtype=torch.uint8), "f16": torch.randn(4).half(),
+           "flag": torch.tensor([True, False]), "empty": torch.zeros(0, 4)}
+    save_file(odd, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    got = dict(iter_safetensors(tmp_path))
+    assert set(got) == set(odd)
+    assert all(got[k].dtype == v.dtype and torch.equal(got[k], v) for k, v in odd.items())
+    read = dict(iter_safetensors(tiny_dir))
+    assert set(read) == set(expected)
+    assert all(torch.equal(read[k], expected[k]) for k in expected)
+
+    damaged = tmp_path / "damaged"
+    damaged.mkdir()
+    data = (tiny_dir / "model.safetensors").read_bytes()
+    (damaged / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ModelLoadError, match=r"cannot read weights from .*: the file ends "
+                                             r"inside tensor \S+"):
+        dict(iter_safetensors(damaged))
+    (damaged / "model.safetensors").write_bytes(b"\xff" * 16)
+    with pytest.raises(ModelLoadError, match=r"cannot read weights from .*: a header of "):
+        dict(iter_safetensors(damaged))
