@@ -244,10 +244,11 @@ class CausalLM(nn.Module):
                                      f"({', '.join(dense[key])} unquantized)")
             parts.sort(key=lambda part: part[0])
             try:
-                qw = QuantizedRows.cat([p for _, p in parts]).pack()
+                rows = QuantizedRows.cat([p for _, p in parts])
+                qw = rows.pack()
             except ValueError as exc:
                 raise ModelLoadError(f"layer {label}: {exc}") from None
-            setattr(parent, attr, QuantLinear(qw, module.bias))
+            setattr(parent, attr, QuantLinear(qw, module.bias, rows.input_order))
         return len(quantized)
 
 

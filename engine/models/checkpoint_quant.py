@@ -13,8 +13,9 @@ Layouts (w = scale * (q - zero) unless said otherwise):
 - GPTQ (AutoGPTQ / GPTQModel, `checkpoint_format` "gptq" or "gptq_v2"): qweight int32
   [K * bits / 32, N], input k at bits (k % f) * bits of row k / f (f = 32 / bits);
   qzeros int32 [K / g, N * bits / 32] packed the same way along outputs, stored minus one
-  in the original "gptq" format; scales [K / g, N]; g_idx int32 [K] (must be k / g:
-  act-order checkpoints are refused).
+  in the original "gptq" format; scales [K / g, N]; g_idx int32 [K], input k's group
+  (k / g, or with act-order any assignment of g inputs per group: the columns are then
+  sorted by group and the layer gathers its inputs in that order).
 - AWQ (AutoAWQ "gemm"): qweight int32 [K, N / 8], nibble i of word c holding output
   8 c + AWQ_ORDER[i]; qzeros [K / g, N / 8] alike; scales [K / g, N].
 - compressed-tensors (llm-compressor), weight-only integer schemes:
@@ -39,7 +40,7 @@ from engine.config import QuantizationSpec
 from engine.models.config import ModelLoadError
 from engine.models.quantized import QuantizedRows
 
-SUPPORTED = ("GPTQ (4 or 8 bits, no act-order), AWQ (GEMM, 4 bits, zero points) and "
+SUPPORTED = ("GPTQ (4 or 8 bits, act-order included), AWQ (GEMM, 4 bits, zero points) and "
              "compressed-tensors weight-only int4 / int8 (pack-quantized, int-quantized)")
 
 # AWQ packs eight outputs per word in this order: nibble i holds output 8 c + AWQ_ORDER[i].
@@ -140,8 +141,6 @@ def _gptq_scheme(config: dict[str, Any]) -> CheckpointScheme:
     bits = config.get("bits")
     if bits not in (4, 8):
         raise _refuse(f"GPTQ with {bits} bits")
-    if config.get("desc_act") and not config.get("static_groups"):
-        raise _refuse("GPTQ with act-order (desc_act)")
     fmt = str(config.get("checkpoint_format", "gptq")).lower()
     if fmt not in ("gptq", "gptq_v2"):
         raise _refuse(f"GPTQ checkpoint format {fmt!r}")
@@ -183,8 +182,8 @@ def _compressed_scheme(config: dict[str, Any]) -> CheckpointScheme:
     strategy = weights.get("strategy")
     if strategy not in ("group", "channel"):
         raise _refuse(f"compressed-tensors strategy {strategy!r}")
-    if weights.get("actorder") not in (None, "static"):
-        raise _refuse("compressed-tensors with act-order")
+    if weights.get("actorder") not in (None, "static", "group", "weight"):
+        raise _refuse(f"compressed-tensors act-order {weights.get('actorder')!r}")
     if fmt != "pack-quantized" and bits != 8:
         raise _refuse(f"compressed-tensors {fmt} with {bits} bits")
     group = _group(weights.get("group_size")) if strategy == "group" else None
@@ -259,12 +258,26 @@ def _unpack_gptq(scheme: CheckpointScheme, parts: dict[str, torch.Tensor]) -> Qu
     _expect(scales, (k // group, n), "scales", group)
     zeros = _unpack_int32(qzeros, bits, 1, "qzeros")
     _expect(zeros, (k // group, n), "zero points (unpacked)", group)
-    g_idx = parts.get("g_idx")
-    if g_idx is not None and not torch.equal(
-            g_idx.long(), torch.arange(k) // group):
-        raise ValueError("has a g_idx that is not input // group_size: act-order checkpoints "
-                         "are not served")
-    return _rows(q, (zeros + scheme.gptq_zero_offset).t(), scales.t(), bits, group)
+    rows = _rows(q, (zeros + scheme.gptq_zero_offset).t(), scales.t(), bits, group)
+    return _act_order(rows, parts.get("g_idx"), "g_idx")
+
+
+def _act_order(rows: QuantizedRows, g_idx: torch.Tensor | None, what: str) -> QuantizedRows:
+    """Act-order weights (GPTQ's desc_act): input k belongs to group g_idx[k]. The
+    columns are stored sorted by group, so that each group is contiguous, and the layer
+    gathers x's columns in that order. A g_idx of k / group changes nothing."""
+    _, k = rows.shape
+    group = rows.group
+    if g_idx is None or torch.equal(g_idx.long(), torch.arange(k) // group):
+        return rows
+    g_idx = g_idx.long()
+    if g_idx.shape != (k,) or int(g_idx.min()) < 0 or int(g_idx.max()) >= k // group or \
+            not bool((torch.bincount(g_idx, minlength=k // group) == group).all()):
+        raise ValueError(f"has a {what} that does not put {group} inputs in each of "
+                         f"{k // group} groups")
+    order = torch.argsort(g_idx, stable=True)
+    return QuantizedRows(rows.q[:, order].contiguous(), rows.scales, rows.offsets,
+                         rows.bits, group, order)
 
 
 def _awq_unpack(packed: torch.Tensor, what: str) -> torch.Tensor:
@@ -328,4 +341,5 @@ def _unpack_compressed(scheme: CheckpointScheme, parts: dict[str, torch.Tensor]
         zeros = zero_point.reshape(n, -1).float()
         _expect(zeros, (n, k // group), "weight_zero_point", group)
     # w = scale * (signed - zero) = scale * (q - (offset + zero)).
-    return _rows(q, zeros + offset, scales, bits, group)
+    return _act_order(_rows(q, zeros + offset, scales, bits, group), parts.get("weight_g_idx"),
+                      "weight_g_idx")

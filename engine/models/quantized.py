@@ -57,6 +57,9 @@ class QuantizedRows:
     offsets: torch.Tensor | None
     bits: int
     group: int
+    # Act-order checkpoints: the inputs in the order the columns of q are stored in (x's
+    # columns are gathered in it before the product); None: their own order.
+    input_order: torch.Tensor | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -67,7 +70,7 @@ class QuantizedRows:
         """The same rows reordered by `fn` (a permutation of dim 0)."""
         return QuantizedRows(fn(self.q), fn(self.scales),
                              None if self.offsets is None else fn(self.offsets),
-                             self.bits, self.group)
+                             self.bits, self.group, self.input_order)
 
     @staticmethod
     def cat(parts: list[QuantizedRows]) -> QuantizedRows:
@@ -76,13 +79,18 @@ class QuantizedRows:
         if any((p.bits, p.group) != (first.bits, first.group) for p in parts):
             raise ValueError("its parts are quantized differently: "
                              + ", ".join(f"int{p.bits} groups of {p.group}" for p in parts))
+        orders = [p.input_order for p in parts]
+        if any((o is None) != (orders[0] is None) or
+               (o is not None and not torch.equal(o, orders[0])) for o in orders):
+            raise ValueError("its parts have different act-order input orders (g_idx); "
+                             "they share one input, so one order is needed")
         offsets = None
         if any(p.offsets is not None for p in parts):
             offsets = torch.cat([torch.zeros_like(p.scales) if p.offsets is None else p.offsets
                                  for p in parts])
         return QuantizedRows(torch.cat([p.q for p in parts]),
                              torch.cat([p.scales for p in parts]), offsets,
-                             first.bits, first.group)
+                             first.bits, first.group, first.input_order)
 
     def pack(self) -> cpu_quant.QuantizedWeight:
         return cpu_quant.pack(self.q, self.scales, self.offsets, self.bits, self.group)
@@ -98,13 +106,18 @@ class QuantLinear(nn.Module):
     """y = x W^T + b with W held as a cpu_quant.QuantizedWeight. x [T, IN] -> [T, OUT] in
     x's dtype."""
 
-    def __init__(self, weight: cpu_quant.QuantizedWeight, bias: torch.Tensor | None) -> None:
+    def __init__(self, weight: cpu_quant.QuantizedWeight, bias: torch.Tensor | None,
+                 input_order: torch.Tensor | None = None) -> None:
         super().__init__()
         self.quantized = weight
         self.in_features, self.out_features = weight.in_features, weight.out_features
         self.bias_f32 = None if bias is None else bias.detach().float().contiguous()
+        # Act-order weights: x's columns gathered into the stored order first.
+        self.input_order = None if input_order is None else input_order.long().contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.input_order is not None:
+            x = x.index_select(-1, self.input_order)
         if x.dim() == 2 and x.shape[0] <= DENSE_ROWS:
             return cpu_quant.linear(x, self.quantized, self.bias_f32)
         # NOTE: the dense path computes in float32 whatever x's dtype is: this CPU's bf16

@@ -40,6 +40,8 @@ FORMATS: dict[str, tuple[Builder, int, int]] = {
     "gptq-int4-g64": (lambda m, o, r: gptq_checkpoint(m, o, r, bits=4, group=64), 4, 64),
     "gptq-int4-sym-v2": (lambda m, o, r: gptq_checkpoint(m, o, r, bits=4, group=32,
                                                          symmetric=True, v2=True), 4, 32),
+    "gptq-int4-act-order": (lambda m, o, r: gptq_checkpoint(m, o, r, bits=4, group=32,
+                                                            act_order=True), 4, 32),
     "gptq-int8-channel": (lambda m, o, r: gptq_checkpoint(m, o, r, bits=8, group=None,
                                                           symmetric=True), 8, 0),
     "awq-int4-g64": (lambda m, o, r: awq_checkpoint(m, o, r, group=64), 4, 64),
@@ -94,6 +96,8 @@ def test_a_prequantized_checkpoint_serves_what_it_stores(
     for layer in layers:
         assert layer.quantized.bits == bits
         assert layer.quantized.group_size == (group or layer.in_features)
+        # Act-order layers gather their inputs into the stored order; the rest do not.
+        assert (layer.input_order is not None) == ("act-order" in fmt)
     assert isinstance(runner.model.embed_tokens, QuantEmbedding)
     assert_engine_agrees_with_oracle(core, oracle, adapters)
 
@@ -125,10 +129,11 @@ def test_a_float_checkpoint_is_quantized_as_it_loads(tiny_model_factory) -> None
         (lambda m, o, r: gptq_checkpoint(
             m, o, r, drop=("model.layers.1.self_attn.k_proj.scales",)),
          r"layer model\.layers\.1\.self_attn\.k_proj lacks scales"),
-        (lambda m, o, r: gptq_checkpoint(m, o, r, act_order=True),
-         r"act-order checkpoints are not served"),
+        (lambda m, o, r: gptq_checkpoint(m, o, r, group=64, bad_g_idx=True),
+         r"layer model\.layers\.\d+\.mlp\.down_proj has a g_idx that does not put 64 "
+         r"inputs in each of 2 groups"),
     ],
-    ids=["wrong-group-size", "missing-scales", "act-order"],
+    ids=["wrong-group-size", "missing-scales", "uneven-act-order-groups"],
 )
 def test_a_corrupt_or_mismatched_checkpoint_fails_at_load(
     build: Builder, message: str, tiny_model_factory, tmp_path: Path

@@ -105,10 +105,13 @@ def write_checkpoint(model: Any, model_dir: Path, out_dir: Path,
 def gptq_checkpoint(model_dir: Path, out_dir: Path, oracle_dir: Path, *, bits: int = 4,
                     group: int | None = 64, symmetric: bool = False, v2: bool = False,
                     config_group: int | None = None, drop: tuple[str, ...] = (),
-                    act_order: bool = False) -> tuple[Path, Path]:
+                    act_order: bool = False, bad_g_idx: bool = False) -> tuple[Path, Path]:
     """A GPTQ checkpoint of model_dir's model (qweight, qzeros, scales, g_idx per linear;
     zero points minus one unless `v2`) and its oracle. `config_group` writes another group
-    size into config.json than the tensors have; `act_order` a permuted g_idx."""
+    size into config.json than the tensors have. `act_order`: each input's group comes
+    from a random order of the inputs (one per input width, so that q, k and v, which
+    share their input, share it too), as GPTQ's desc_act assigns them; `bad_g_idx`: a
+    g_idx of all zeros."""
     model = _load(model_dir)
     tensors: dict[str, torch.Tensor] = {}
     with torch.no_grad():
@@ -116,18 +119,27 @@ def gptq_checkpoint(model_dir: Path, out_dir: Path, oracle_dir: Path, *, bits: i
             w = linear.weight
             k = w.shape[1]
             g = group or k
+            g_idx = torch.arange(k, dtype=torch.int32) // g
+            if act_order:
+                order = torch.randperm(k, generator=torch.Generator().manual_seed(k))
+                g_idx = torch.empty(k, dtype=torch.int32)
+                g_idx[order] = torch.arange(k, dtype=torch.int32) // g
+            # Quantized group by group: the columns sorted by group, then put back.
+            by_group = torch.argsort(g_idx.long(), stable=True)
+            back = torch.argsort(by_group)
             # The original format stores zero - 1 and so cannot hold a zero point of 0.
-            q, zero, scale = minmax_quantize(w, bits, g, symmetric, min_zero=0 if v2 else 1)
-            w.copy_(dequantized(q, zero, scale, g))
+            q, zero, scale = minmax_quantize(w[:, by_group], bits, g, symmetric,
+                                             min_zero=0 if v2 else 1)
+            w.copy_(dequantized(q, zero, scale, g)[:, back])
+            q = q[:, back]
             stored_zero = zero - (0 if v2 else 1)
             tensors[f"{name}.qweight"] = pack_rows(q.t(), bits)
             tensors[f"{name}.qzeros"] = _pack_columns(stored_zero.t(), bits)
             tensors[f"{name}.scales"] = scale.t().contiguous()
-            g_idx = torch.arange(k, dtype=torch.int32) // g
-            tensors[f"{name}.g_idx"] = g_idx.flip(0) if act_order else g_idx
+            tensors[f"{name}.g_idx"] = torch.zeros_like(g_idx) if bad_g_idx else g_idx
     config = {"quant_method": "gptq", "bits": bits,
-              "group_size": (config_group or group or -1), "desc_act": False, "sym": symmetric,
-              "checkpoint_format": "gptq_v2" if v2 else "gptq"}
+              "group_size": (config_group or group or -1), "desc_act": act_order,
+              "sym": symmetric, "checkpoint_format": "gptq_v2" if v2 else "gptq"}
     write_checkpoint(model, model_dir, out_dir, tensors, config, drop)
     return out_dir, save_oracle(model, model_dir, oracle_dir)
 
