@@ -244,11 +244,11 @@ class CausalLM(nn.Module):
                                      f"({', '.join(dense[key])} unquantized)")
             parts.sort(key=lambda part: part[0])
             try:
-                rows = QuantizedRows.cat([p for _, p in parts])
-                qw = rows.pack()
+                stacked = QuantizedRows.cat([p for _, p in parts])
+                qw = stacked.pack()
             except ValueError as exc:
                 raise ModelLoadError(f"layer {label}: {exc}") from None
-            setattr(parent, attr, QuantLinear(qw, module.bias, rows.input_order))
+            setattr(parent, attr, QuantLinear(qw, module.bias, stacked.input_order))
         return len(quantized)
 
 

@@ -79,9 +79,10 @@ class QuantizedRows:
         if any((p.bits, p.group) != (first.bits, first.group) for p in parts):
             raise ValueError("its parts are quantized differently: "
                              + ", ".join(f"int{p.bits} groups of {p.group}" for p in parts))
-        orders = [p.input_order for p in parts]
-        if any((o is None) != (orders[0] is None) or
-               (o is not None and not torch.equal(o, orders[0])) for o in orders):
+        order = first.input_order
+        if any(p.input_order is not order and (
+                p.input_order is None or order is None or not torch.equal(p.input_order, order))
+               for p in parts):
             raise ValueError("its parts have different act-order input orders (g_idx); "
                              "they share one input, so one order is needed")
         offsets = None

@@ -211,3 +211,19 @@ def test_quantization_that_disagrees_with_the_checkpoint_is_refused(
     # The matching scheme is accepted: the checkpoint's groups are kept.
     core = _core(checkpoint, quantization="int4")
     assert core.runner.quantization.group == 64
+
+
+def test_fused_parts_must_share_one_input_order() -> None:
+    from engine.models.quantized import QuantizedRows
+
+    def part(order: torch.Tensor | None) -> QuantizedRows:
+        return QuantizedRows(torch.zeros(16, 64, dtype=torch.uint8), torch.ones(16, 2),
+                             torch.zeros(16, 2), 4, 32, order)
+
+    same = torch.randperm(64, generator=torch.Generator().manual_seed(1))
+    fused = QuantizedRows.cat([part(same), part(same.clone())])
+    assert fused.shape == (32, 64) and torch.equal(fused.input_order, same)
+    assert QuantizedRows.cat([part(None), part(None)]).input_order is None
+    for other in (None, torch.arange(64)):
+        with pytest.raises(ValueError, match="different act-order input orders"):
+            QuantizedRows.cat([part(same), part(other)])
