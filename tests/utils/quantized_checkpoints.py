@@ -16,9 +16,9 @@ from typing import Any
 import torch
 
 from engine.models.quantized import round_trip_hf_embeddings
+from tests.utils.quantized import LINEARS
 from tests.utils.tiny_models import copy_tokenizer
 
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ: nibble i of a word holds column 8c + this
 
 
