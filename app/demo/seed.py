@@ -44,6 +44,7 @@ DEMO_ACTOR = AuditContext(actor="demo")
 DEMO_KEY_NAME = "demo"
 KEYS_FILE = "keys.json"
 ADMIN_KEY_FILE = "admin-key"
+ENGINE_LOAD_WAIT_S = 300.0
 
 
 class DemoError(RuntimeError):
@@ -262,4 +263,8 @@ async def seed_demo(state: AppState, adapters: Sequence[TrainedAdapter]) -> Demo
     )
     # This replica serves the new keys and versions at once, not at the next refresh.
     await asyncio.to_thread(state.directory.refresh)
+    # ... and "ready" is printed once its engine serves them (at a second start they
+    # load in the background from the registry's files).
+    if not await state.registry.engine_sync.settled(ENGINE_LOAD_WAIT_S):
+        logger.warning("the demo adapters were still loading after %.0f s", ENGINE_LOAD_WAIT_S)
     return DemoSetup(tuple(tenants), tuple(seeded))

@@ -67,6 +67,18 @@ class EngineSync:
         self.on_versions_changed((), ())
         return failed[1]
 
+    async def settled(self, timeout_s: float) -> bool:
+        """Wait (on the serving loop) until every sync asked for so far has run, at most
+        `timeout_s`; False if some were still running then (or are queued before start)."""
+        with self._lock:
+            if self._pending:
+                return False
+            running = [asyncio.wrap_future(f) for f in self._inflight if not f.done()]
+        if not running:
+            return True
+        _, late = await asyncio.wait(running, timeout=timeout_s)
+        return not late
+
     def on_versions_changed(
         self, added: Sequence[AdapterRef], removed: Sequence[AdapterRef]
     ) -> _Future[SyncResult]:
@@ -84,9 +96,14 @@ class EngineSync:
         self, loop: asyncio.AbstractEventLoop, added: list[AdapterRef], removed: list[AdapterRef]
     ) -> _Future[SyncResult]:
         future = asyncio.run_coroutine_threadsafe(self.sync(added, removed), loop)
-        self._inflight.add(future)  # a strong reference until done
-        future.add_done_callback(self._inflight.discard)
+        with self._lock:
+            self._inflight.add(future)  # a strong reference until done
+        future.add_done_callback(self._forget)
         return future
+
+    def _forget(self, future: _Future[SyncResult]) -> None:
+        with self._lock:
+            self._inflight.discard(future)
 
     async def sync(self, added: Sequence[AdapterRef], removed: Sequence[AdapterRef]) -> SyncResult:
         """Idempotent: names the engine already serves (or no longer serves) are skipped;

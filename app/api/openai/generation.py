@@ -15,7 +15,7 @@ from app.api.errors import APIError
 from app.api.openai.accounting import RequestAccount, open_account
 from app.api.openai.choices import ChoiceResult, new_results, usage_of
 from app.api.openai.plan import GenerationPlan
-from app.api.openai.planning import check_admission
+from app.api.openai.planning import check_admission, wait_until_served
 from app.api.openai.rendering import Renderer
 from app.api.openai.streaming import CLIENT_CLOSED_REQUEST, EventStreamResponse, unless_disconnected
 from app.api.state import AppState
@@ -36,6 +36,7 @@ async def serve_generation(
     account is closed exactly once: quota settled, usage recorded.
     """
     check_admission(state, plan.num_choices)
+    await wait_until_served(state, plan.target, plan.model)
     route = _route(state, plan)
     try:
         account = await open_account(state, plan)

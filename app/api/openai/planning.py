@@ -126,6 +126,33 @@ def resolve_target(state: AppState, principal: Principal, model: str) -> ModelTa
     raise model_not_found(model)
 
 
+# How long a request for a ready version waits for this replica's engine to finish
+# loading it (at start, every ready version loads; a new upload loads in a second or so).
+ADAPTER_LOAD_WAIT_S = 60.0
+
+
+async def wait_until_served(state: AppState, target: ModelTarget, model: str) -> None:
+    """A registry version the directory lists as ready may still be loading into this
+    replica's engine (just started, or just uploaded elsewhere): wait for that, not 404.
+    Still not served then: 503 `adapter_unavailable` (retry), 404 if it went away.
+    `model`: as the client named it."""
+    ref = target.ref
+    if ref is None or state.engine.get_adapter(ref.engine_name) is not None:
+        return
+    sync = state.registry.engine_sync
+    await sync.settled(ADAPTER_LOAD_WAIT_S)
+    if state.engine.get_adapter(ref.engine_name) is not None:
+        return
+    if state.directory.model_name(ref.engine_name) is None:
+        raise model_not_found(model)  # deleted (or replaced) while it loaded
+    reason = sync.retry(ref.engine_name)
+    why = f" ({reason})" if reason else ""
+    raise overloaded(
+        f"The adapter '{model}' is not loaded on this replica yet{why}; retry shortly.",
+        retry_after_s=state.settings.retry_after_s, code="adapter_unavailable",
+    )
+
+
 def preloaded_adapters(engine: EngineClient) -> list[str]:
     """Adapters served to every caller because the operator named them (`--lora`)."""
     return sorted(
