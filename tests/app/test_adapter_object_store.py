@@ -28,7 +28,7 @@ from app.main import create_app
 from app.registry.archive import CONFIG_FILE, WEIGHTS_FILE, content_digest
 from app.registry.object_store import BlobCorrupt, BlobMissing, ObjectStore, StoreUnavailable
 from app.registry.store import AdapterStore
-from app.tables import Adapter, AdapterVersion
+from app.tables import Adapter, AdapterVersion, UsageRecord
 from tests.app.test_registry import CheckingEngine
 from tests.utils.s3_server import aws_environment, moto_server, s3_client
 from tests.utils.saas import ADMIN_KEY, SECRET_KEY, bearer, tar_gz
@@ -159,9 +159,9 @@ class Replica:
 
 
 @asynccontextmanager
-async def replica(database_url: str, data_dir: Path, store_url: str
-                  ) -> AsyncIterator[Replica]:
-    engine = CheckingEngine(max_adapter_bytes=1024 * 1024)
+async def replica(database_url: str, data_dir: Path, store_url: str, *,
+                  max_adapter_bytes: int = 1024 * 1024) -> AsyncIterator[Replica]:
+    engine = CheckingEngine(max_adapter_bytes=max_adapter_bytes)
     app = create_app(engine, Settings(
         data_dir=data_dir, database_url=database_url, admin_key=ADMIN_KEY,
         secret_key=SECRET_KEY, adapter_store=store_url, refresh_interval_s=0.2,
@@ -451,3 +451,83 @@ async def test_a_store_cut_during_an_upload_leaves_nothing(
     # Nothing servable: at most the weights, cut short or whole, which orphan collection
     # removes (no version uses them).
     assert not ObjectStore(store_url).has(digest)
+
+
+async def test_a_store_cut_while_a_replica_fetches_fails_that_adapter_alone(
+    database_url: str, store_url: str, proxy: TcpProxy, tmp_path: Path
+) -> None:
+    import threading
+
+    weights = 16 * 1024 * 1024
+    digest = write_adapter(tmp_path / "adapter", seed=8, weights_bytes=weights)
+    limit = 64 * 1024 * 1024
+    async with replica(database_url, tmp_path / "a", store_url, max_adapter_bytes=limit) as a:
+        r = await _upload(a, tmp_path / "adapter", "big-bot")
+        assert r.status_code == 201, r.text
+        r = await a.client.post("/admin/tenants", headers=ADMIN, json={
+            "name": f"fetch-{next(_serial)}", "tier": "standard", "isolation": "shared"})
+        assert r.status_code == 201, r.text
+        r = await a.client.post(f"/admin/tenants/{r.json()['id']}/keys", headers=ADMIN,
+                                json={"name": "t"})
+        assert r.status_code == 201, r.text
+        tenant = bearer(r.json()["key"])
+    # A slow link, so that the second replica's fetch is surely under way when it is cut.
+    proxy.throttle(4 * 1024 * 1024)
+    fetched: list[int] = []
+
+    def cut_once_a_megabyte_arrived() -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            partial = list((tmp_path / "b").glob(f"**/fetch-*/{WEIGHTS_FILE}"))
+            sizes = [p.stat().st_size for p in partial if p.exists()]
+            if sizes and max(sizes) >= 1024 * 1024:
+                fetched.append(max(sizes))
+                proxy.cut()
+                return
+            time.sleep(0.005)
+
+    async def chat(b: Replica, model: str) -> httpx.Response:
+        return await b.client.post("/v1/chat/completions", headers=tenant, json={
+            "model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+
+    served: list[str] = []  # the ids of the responses answered 200
+    cutter = threading.Thread(target=cut_once_a_megabyte_arrived)
+    cutter.start()
+    async with replica(database_url, tmp_path / "b", store_url, max_adapter_bytes=limit) as b:
+        registry = b.app.state.loraplex.registry
+        await _until(lambda: registry.engine_sync.failed, timeout_s=60)
+        cutter.join()
+        assert fetched and fetched[0] < weights, "the fetch was not cut half way"
+        # Nothing half-fetched is kept or served.
+        store = AdapterStore(tmp_path / "b")
+        assert store.digests() == [] and list(store.tmp.iterdir()) == []
+        assert _served(b) == {}
+        # That adapter fails alone, saying why; the replica stays ready; the base serves.
+        r = await chat(b, "big-bot")
+        assert r.status_code == 503, r.text
+        assert r.json()["error"]["code"] == "adapter_unavailable"
+        assert "the object store is unreachable" in r.json()["error"]["message"]
+        assert (await b.client.get("/ready")).status_code == 200
+        for _ in range(3):
+            r = await chat(b, b.engine.model_id)
+            assert r.status_code == 200, r.text
+            served.append(r.json()["id"])
+        # The store is back: the next try fetches it whole.
+        proxy.throttle(None)
+        proxy.restore()
+        await chat(b, "big-bot")  # sets off the retry (503 while it runs)
+        await _until(lambda: not registry.engine_sync.failed, timeout_s=30)
+        r = await chat(b, "big-bot")
+        assert r.status_code == 200, r.text
+        served.append(r.json()["id"])
+        assert AdapterStore(tmp_path / "b").digests() == [digest]
+    # No usage row lost: every answered request has its row (flushed at shutdown).
+    engine = make_engine(database_url)
+    try:
+        with session_scope(session_factory(engine)) as s:
+            rows = {row.request_id: row for row in s.scalars(
+                select(UsageRecord).where(UsageRecord.request_id.in_(served)))}
+    finally:
+        engine.dispose()
+    assert sorted(rows) == sorted(served)
+    assert all(row.status == "ok" and row.completion_tokens > 0 for row in rows.values())

@@ -3,7 +3,9 @@ them: the built-in kinds against the JSON schemas of Kubernetes' OpenAPI documen
 (kubernetes-validate ships them per release; the strict flavour refuses unknown fields,
 as `kubectl apply --validate=strict` does), KEDA's ScaledObject against the
 openAPIV3Schema of KEDA's CRD (cloudcoil-models-keda's models are generated from it;
-their JSON schema is made as strict as the CRD: no unknown fields, no nulls)."""
+their JSON schema is made as strict as the CRD: no unknown fields, no nulls). The
+inference gateway's kinds have no such package: inference_schemas.py says how theirs
+are made."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import kubernetes_validate
 from jsonschema.protocols import Validator
 from referencing import Registry, Resource
 
+from tests.deploy import inference_schemas
 from tests.deploy.support import CHART, load_yaml
 
 KEDA_API_VERSION = "keda.sh/v1alpha1"
@@ -121,6 +124,14 @@ def schema_problems(doc: dict[str, Any]) -> list[SchemaProblem]:
     """Where `doc` breaks its kind's upstream schema (for KUBE_VERSIONS); a kind without
     one is a problem too, so that nothing passes unchecked."""
     name = f"{doc.get('kind')}/{doc.get('metadata', {}).get('name')}"
+    inference = inference_schemas.SCHEMAS.get((str(doc.get("apiVersion")), str(doc.get("kind"))))
+    if inference is not None:
+        schema = "the inference gateway's API (tests/deploy/inference_schemas.py)"
+        validator = jsonschema.Draft202012Validator(inference)
+        return [
+            SchemaProblem(name, schema, _path(error.absolute_path), error.message)
+            for error in sorted(validator.iter_errors(doc), key=str)
+        ] + [SchemaProblem(name, schema, "", rule) for rule in inference_schemas.cel_problems(doc)]
     if doc.get("apiVersion") == KEDA_API_VERSION:
         if doc.get("kind") != "ScaledObject":
             return [SchemaProblem(name, "KEDA", "kind", "only ScaledObject is known here")]

@@ -458,8 +458,8 @@ def env_problems(env: dict[str, Any], where: str) -> list[str]:
 
 
 async def probe(kind: str, paths: set[str]) -> dict[str, int]:
-    """GET each path of the app that `loraplex <kind>` serves (gateway: the API app;
-    worker: the internal app), in process, around a FakeEngine: path -> status."""
+    """GET each path of the app that `loraplex <kind>` serves (gateway and serve: the API
+    app; worker: the internal app), in process, around a FakeEngine: path -> status."""
     import tempfile
 
     import httpx
@@ -468,7 +468,7 @@ async def probe(kind: str, paths: set[str]) -> dict[str, int]:
 
     with tempfile.TemporaryDirectory(prefix="loraplex-deploy-test-") as tmp:
         data_dir = Path(tmp)
-        if kind == "gateway":
+        if kind in ("gateway", "serve"):
             app, _ = make_app(data_dir=data_dir)
             client = asgi_client(app)
         elif kind == "worker":

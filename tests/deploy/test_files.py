@@ -25,6 +25,7 @@ KNOWN_FILES = {
     "helm/loraplex/templates/gateway-hpa.yaml",
     "helm/loraplex/templates/gateway-pdb.yaml",
     "helm/loraplex/templates/gateway-service.yaml",
+    "helm/loraplex/templates/inferencepool.yaml",
     "helm/loraplex/templates/migrate-job.yaml",
     "helm/loraplex/templates/pvc.yaml",
     "helm/loraplex/templates/secret.yaml",

@@ -58,15 +58,32 @@ def _one(docs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
     return found[0]
 
 
-def _pod_specs(docs: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
-    return [
-        (d["metadata"]["name"], d["spec"]["template"]["spec"])
-        for d in docs if d["kind"] in {"Deployment", "StatefulSet", "Job"}
-    ]
+# The inference gateway's endpoint picker: its image and its ways are the extension's
+# (tests/deploy/test_inference_pool.py checks it); every other pod runs loraplex.
+PICKER = "endpoint-picker"
 
 
 def _component(doc: dict[str, Any]) -> str:
     return str(doc["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"])
+
+
+def _pod_specs(docs: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
+    """The pods that run loraplex."""
+    return [
+        (d["metadata"]["name"], d["spec"]["template"]["spec"])
+        for d in docs if d["kind"] in {"Deployment", "StatefulSet", "Job"}
+        and _component(d) != PICKER
+    ]
+
+
+def _deployments(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The Deployments that run loraplex."""
+    return [d for d in docs if d["kind"] == "Deployment" and _component(d) != PICKER]
+
+
+def _in_pool(docs: list[dict[str, Any]]) -> bool:
+    """The workers run `serve` in an InferencePool (no gateway Deployment)."""
+    return bool(_objects(docs, "InferencePool"))
 
 
 def _flag(args: list[str], name: str) -> str:
@@ -204,7 +221,12 @@ def test_containers_run_loraplex_commands_the_cli_accepts(docs: list[dict[str, A
             for var in re.findall(r"\$\((\w+)\)", " ".join(args)):
                 assert var in env, f"{name}: $({var}) is not in the container's env"
             invocations.append([re.sub(r"\$\((\w+)\)", "10.0.0.1", a) for a in args])
-    assert {tuple(i[:1]) for i in invocations} >= {("gateway",), ("worker",), ("db",)}
+    commands = {tuple(i[:1]) for i in invocations}
+    if _in_pool(docs):
+        assert commands == {("serve",), ("db",)}
+    else:
+        assert commands >= {("gateway",), ("worker",), ("db",)}
+        assert ("serve",) not in commands
     assert cli_problems(invocations) == []
 
 
@@ -217,7 +239,7 @@ def test_images_are_the_project_image(docs: list[dict[str, Any]]) -> None:
 
 
 def test_ports_probes_and_service_agree(docs: list[dict[str, Any]]) -> None:
-    for deployment in _objects(docs, "Deployment"):
+    for deployment in _deployments(docs):
         spec = deployment["spec"]["template"]["spec"]
         (container,) = spec["containers"]
         port = int(_flag(container["args"], "--port"))
@@ -233,10 +255,19 @@ def test_ports_probes_and_service_agree(docs: list[dict[str, Any]]) -> None:
         assert container["startupProbe"]["httpGet"]["path"] == "/health"
         if _component(deployment) == "worker":
             assert port == WORKER_PORT
-            assert _flag(container["args"], "--advertise-url") == f"http://$(POD_IP):{port}"
-    gateway = _one(docs, "Deployment", "loraplex-gateway")
+            if container["args"][0] == "serve":  # in the pool: reached through the picker
+                assert "--advertise-url" not in container["args"]
+            else:
+                assert _flag(container["args"], "--advertise-url") == f"http://$(POD_IP):{port}"
+    if _in_pool(docs):
+        (pool,) = _objects(docs, "InferencePool")
+        assert pool["spec"]["targetPorts"] == [{"number": WORKER_PORT}]
+        gateway = next(d for d in _deployments(docs) if _component(d) == "worker")
+        service = _one(docs, "Service", "loraplex-serve")
+    else:
+        gateway = _one(docs, "Deployment", "loraplex-gateway")
+        service = _one(docs, "Service", "loraplex-gateway")
     (container,) = gateway["spec"]["template"]["spec"]["containers"]
-    service = _one(docs, "Service", "loraplex-gateway")
     (service_port,) = service["spec"]["ports"]
     assert _named_port(container, service_port["targetPort"]) == int(
         _flag(container["args"], "--port")
@@ -244,8 +275,10 @@ def test_ports_probes_and_service_agree(docs: list[dict[str, Any]]) -> None:
 
 
 async def test_probe_paths_answer_on_the_apps_they_probe(docs: list[dict[str, Any]]) -> None:
-    paths: dict[str, set[str]] = {"gateway": set(), "worker": set()}
-    for deployment in _objects(docs, "Deployment"):
+    paths: dict[str, set[str]] = (
+        {"serve": set()} if _in_pool(docs) else {"gateway": set(), "worker": set()}
+    )
+    for deployment in _deployments(docs):
         (container,) = deployment["spec"]["template"]["spec"]["containers"]
         kind = container["args"][0]
         for probe_name in ("startupProbe", "livenessProbe", "readinessProbe"):
@@ -259,7 +292,7 @@ async def test_probe_paths_answer_on_the_apps_they_probe(docs: list[dict[str, An
 
 
 def test_grace_period_outlasts_prestop_and_drain(docs: list[dict[str, Any]]) -> None:
-    for deployment in _objects(docs, "Deployment"):
+    for deployment in _deployments(docs):
         spec = deployment["spec"]["template"]["spec"]
         (container,) = spec["containers"]
         # A container's own LORAPLEX_DRAIN_TIMEOUT_S wins over the ConfigMap's.
@@ -336,26 +369,40 @@ def test_pods_run_as_the_image_user_without_privileges(docs: list[dict[str, Any]
 def test_selectors_and_references_point_at_the_right_objects(
     docs: list[dict[str, Any]],
 ) -> None:
-    deployments = _objects(docs, "Deployment")
-    for deployment in deployments:
+    every_deployment = _objects(docs, "Deployment")
+    for deployment in every_deployment:
         selector = deployment["spec"]["selector"]["matchLabels"]
         labels = deployment["spec"]["template"]["metadata"]["labels"]
         assert selector.items() <= labels.items()
-        others = [d for d in deployments if d is not deployment]
+        others = [d for d in every_deployment if d is not deployment]
         for other in others:  # no Deployment adopts another's pods
             assert not selector.items() <= other["spec"]["template"]["metadata"]["labels"].items()
-    gateway_labels = _one(docs, "Deployment", "loraplex-gateway")["spec"]["template"][
-        "metadata"]["labels"]
+    deployments = _deployments(docs)
     worker_labels = [
         d["spec"]["template"]["metadata"]["labels"] for d in deployments
         if _component(d) == "worker"
     ]
-    for selector in (
-        _one(docs, "Service", "loraplex-gateway")["spec"]["selector"],
-        _one(docs, "PodDisruptionBudget", "loraplex-gateway")["spec"]["selector"]["matchLabels"],
-    ):
-        assert selector.items() <= gateway_labels.items()
-        assert not any(selector.items() <= labels.items() for labels in worker_labels)
+    others_labels = [
+        d["spec"]["template"]["metadata"]["labels"] for d in every_deployment
+        if _component(d) != "worker"
+    ]
+    if _in_pool(docs):
+        # The pool and the Service of everything else select every worker and only them.
+        (pool,) = _objects(docs, "InferencePool")
+        for selector in (pool["spec"]["selector"]["matchLabels"],
+                         _one(docs, "Service", "loraplex-serve")["spec"]["selector"]):
+            assert all(selector.items() <= labels.items() for labels in worker_labels)
+            assert not any(selector.items() <= labels.items() for labels in others_labels)
+    else:
+        gateway_labels = _one(docs, "Deployment", "loraplex-gateway")["spec"]["template"][
+            "metadata"]["labels"]
+        for selector in (
+            _one(docs, "Service", "loraplex-gateway")["spec"]["selector"],
+            _one(docs, "PodDisruptionBudget", "loraplex-gateway")["spec"]["selector"][
+                "matchLabels"],
+        ):
+            assert selector.items() <= gateway_labels.items()
+            assert not any(selector.items() <= labels.items() for labels in worker_labels)
     for scaler in _objects(docs, "HorizontalPodAutoscaler") + _objects(docs, "ScaledObject"):
         target = scaler["spec"]["scaleTargetRef"]
         assert (target["apiVersion"], target["kind"]) == ("apps/v1", "Deployment")
@@ -389,16 +436,18 @@ def test_selectors_and_references_point_at_the_right_objects(
 
 def test_gateways_and_workers_share_the_adapter_store(docs: list[dict[str, Any]]) -> None:
     sources = set()
-    for deployment in _objects(docs, "Deployment"):
+    for deployment in _deployments(docs):
         spec = deployment["spec"]["template"]["spec"]
         (container,) = spec["containers"]
         mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
         volumes = {v["name"]: v for v in spec["volumes"]}
         data = volumes[mounts["/data"]]
         sources.add(json.dumps(data.get("persistentVolumeClaim") or data, sort_keys=True))
-        if _component(deployment) == "gateway":
+        if _component(deployment) == "gateway" or container["args"][0] == "serve":
             # A usage spool belongs to one process: never on the shared volume.
             assert "emptyDir" in volumes[mounts["/data/spool"]]
+        else:
+            assert "/data/spool" not in mounts  # a worker records no usage
     assert len(sources) == 1, sources
 
 
@@ -414,6 +463,10 @@ def test_migration_job_is_a_helm_hook_running_db_upgrade(docs: list[dict[str, An
 
 
 def test_gateway_disruption_budget_and_autoscaling(docs: list[dict[str, Any]]) -> None:
+    if _in_pool(docs):  # the pool's members serve the API: no gateway at all
+        assert not [d for d in docs if d["metadata"]["labels"].get(
+            "app.kubernetes.io/component") == "gateway"]
+        return
     pdb = _one(docs, "PodDisruptionBudget", "loraplex-gateway")
     assert pdb["spec"]["minAvailable"] == 1
     gateway = _one(docs, "Deployment", "loraplex-gateway")

@@ -37,6 +37,11 @@ def test_the_variants_hold_every_kind_the_chart_makes() -> None:
         ("v1", "PersistentVolumeClaim"), ("apps/v1", "Deployment"), ("batch/v1", "Job"),
         ("policy/v1", "PodDisruptionBudget"), ("autoscaling/v2", "HorizontalPodAutoscaler"),
         ("keda.sh/v1alpha1", "ScaledObject"),
+        ("v1", "ServiceAccount"), ("rbac.authorization.k8s.io/v1", "Role"),
+        ("rbac.authorization.k8s.io/v1", "RoleBinding"),
+        ("inference.networking.k8s.io/v1", "InferencePool"),
+        ("inference.networking.x-k8s.io/v1alpha2", "InferenceObjective"),
+        ("gateway.networking.k8s.io/v1", "HTTPRoute"),
     }
 
 

@@ -1,6 +1,6 @@
 """The chart rendered with the values the deploy tests check: the defaults (as
-deploy/k8s/loraplex.yaml), the MIG example, every switch turned, and worker autoscaling
-with each provider."""
+deploy/k8s/loraplex.yaml), the MIG example, every switch turned, worker autoscaling
+with each provider, and the workers as an InferencePool of the inference gateway."""
 
 from __future__ import annotations
 
@@ -60,6 +60,25 @@ WORKER_AUTOSCALING: dict[str, Any] = merge_values(TOGGLED_VALUES, {
 })
 
 
+# The Kubernetes inference gateway as the router: workers run `serve` in an
+# InferencePool, adapters in an object store, worker autoscaling on (KEDA).
+INFERENCE_POOL: dict[str, Any] = merge_values({
+    "workerDefaults": {"autoscaling": {
+        "enabled": True, "keda": {"serverAddress": PROMETHEUS_URL}}},
+}, {
+    "inferencePool": {
+        "enabled": True,
+        "objectives": [{"name": "support-bot", "priority": 10},
+                       {"name": "nightly-summaries", "priority": -5}],
+        "gatewayName": "inference-gateway",
+    },
+    "persistence": {"enabled": False},
+    "env": {"LORAPLEX_ADAPTER_STORE": "s3://adapters/loraplex"},
+    "workers": [{"name": "h100-a"}, {"name": "h100-b", "migProfile": "3g.40gb",
+                                      "engineArgs": ["--max-loras", "16"]}],
+})
+
+
 def with_provider(provider: str, values: dict[str, Any] | None = None) -> dict[str, Any]:
     return merge_values(
         values or WORKER_AUTOSCALING, {"workerDefaults": {"autoscaling": {"provider": provider}}}
@@ -79,6 +98,7 @@ def _variants() -> dict[str, list[dict[str, Any]]]:
         "no-autoscaling": render(NO_AUTOSCALING),
         "workers-keda": render(with_provider("keda")),
         "workers-hpa": render(with_provider("hpa")),
+        "inference-pool": render(INFERENCE_POOL),
     }
 
 

@@ -1,6 +1,8 @@
 """A TCP forwarder to put between a client and a server (Redis, PostgreSQL, ...) and
 break on purpose: `cut()` drops every connection and refuses new ones, `stall()` keeps
-connections open but forwards nothing (a hung server), `restore()` heals both.
+connections open but forwards nothing (a hung server), `restore()` heals both;
+`throttle(bytes_per_s)` slows every connection down (a slow link), so that a test can
+act while a transfer is surely under way.
 
 It runs its own event loop in a thread, so sync and async tests use it alike::
 
@@ -39,6 +41,7 @@ class TcpProxy:
         self._flowing: asyncio.Event | None = None
         self._writers: set[asyncio.StreamWriter] = set()
         self._tasks: set[asyncio.Task[None]] = set()
+        self._bytes_per_s: float | None = None
 
     # ------------------------------------------------------------------ control
 
@@ -58,6 +61,12 @@ class TcpProxy:
     def stall(self) -> None:
         """Keep accepting and keep connections open, but forward no byte either way."""
         self._call(self._set_flowing(False))
+
+    def throttle(self, bytes_per_s: float | None) -> None:
+        """Forward at most this many bytes per second each way on each connection (None:
+        as fast as they come)."""
+        assert bytes_per_s is None or bytes_per_s > 0
+        self._bytes_per_s = bytes_per_s
 
     def restore(self) -> None:
         """Accept and forward again, on the same port."""
@@ -163,3 +172,5 @@ class TcpProxy:
                 await self._flowing.wait()
                 writer.write(data)
                 await writer.drain()
+                if (rate := self._bytes_per_s) is not None:
+                    await asyncio.sleep(len(data) / rate)
