@@ -63,14 +63,15 @@ def gateway(options: GatewayOptions) -> None:
     run_gateway(options)
 
 
-# The options each LoRA benchmark leaves out: those of the others.
-_LORA_ONLY = {"zipf_alpha": "lora-scaling", "hf_batch_size": "lora-vs-peft",
-              "loads": "lora-cold-load"}
+# The options only some LoRA benchmarks take (the others leave them out).
+_COLD = ("lora-cold-load", "lora-cold-ttft")
+_LORA_ONLY = {"zipf_alpha": ("lora-scaling",), "hf_batch_size": ("lora-vs-peft",),
+              "loads": _COLD, "store": _COLD, "store_burst": _COLD}
 
 
 def _lora_command(name: str) -> Callable[[Callable[[Any], None]], Callable[..., None]]:
     return options_command(
-        LoRABenchOptions, exclude=tuple(f for f, cmd in _LORA_ONLY.items() if cmd != name)
+        LoRABenchOptions, exclude=tuple(f for f, cmds in _LORA_ONLY.items() if name not in cmds)
     )
 
 
@@ -108,6 +109,16 @@ def lora_cold_load(options: LoRABenchOptions) -> None:
     from bench.lora import run_cold_load
 
     run_cold_load(options)
+
+
+@bench.command("lora-cold-ttft")
+@_lora_command("lora-cold-ttft")
+def lora_cold_ttft(options: LoRABenchOptions) -> None:
+    """Time to first token, served, for an adapter warm, cold on local disk, and cold in
+    the object store (--store), and a burst of cold ones; the base model as baseline."""
+    from bench.lora import run_cold_ttft
+
+    run_cold_ttft(options)
 
 
 @bench.command("serve")

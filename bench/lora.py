@@ -380,3 +380,110 @@ def _percentiles(values: list[float]) -> dict[str, float]:
         "mean": round(statistics.fmean(ordered), 4),
         "n": len(ordered),
     }
+
+
+# ------------------------------------------------------------- cold adapters, served
+
+
+def run_cold_ttft(opts: LoRABenchOptions) -> dict[str, Any]:
+    """A request's time to its first token (`max_tokens: 1`, through the whole app: auth,
+    planning, the engine) for an adapter in a device slot, one the replica must load from
+    its local disk, and one it must first fetch from the object store (`--store`); the
+    base model is the baseline. Then `store_burst` requests at once, each for another
+    adapter none of which the replica holds. The app runs in process (httpx's ASGI
+    transport, no sockets), on SQLite, with its real engine."""
+    return asyncio.run(_cold_ttft(opts))
+
+
+async def _cold_ttft(opts: LoRABenchOptions) -> dict[str, Any]:
+    import httpx
+
+    from app.audit import AuditContext
+    from app.core.config import Settings
+    from app.main import create_app
+    from app.server_options import start_engine
+
+    model_dir, config = resolve_model(opts.model)
+    report = report_header("lora_cold_ttft", opts)
+    burst = opts.store_burst if opts.store else 0
+    with tempfile.TemporaryDirectory() as tmp_dir:
+        tmp = Path(tmp_dir)
+        engine = await start_engine(EngineConfig(
+            model=str(model_dir), data_dir=tmp / "data",
+            max_loras=max(8, burst), max_cpu_loras=max(64, 2 * burst + 2 * opts.loads + 1),
+        ))
+        try:
+            app = create_app(engine, Settings(
+                data_dir=tmp / "data", no_auth=True, adapter_store=opts.store or "",
+            ))
+            async with app.router.lifespan_context(app), httpx.AsyncClient(
+                transport=httpx.ASGITransport(app=app), base_url="http://bench",
+                timeout=600,
+            ) as client:
+                state = app.state.loraplex
+                names = ["warm", *(f"disk-{i}" for i in range(opts.loads))]
+                if opts.store:
+                    names += [f"store-{i}" for i in range(opts.loads)]
+                    names += [f"burst-{i}" for i in range(burst)]
+                refs = {}
+                for i, name in enumerate(names):
+                    path = _write_adapter(tmp / "adapters" / name, config, opts.rank,
+                                          opts.targets, 7000 + i)
+                    await state.registry.upload(path, name=name, tenant_id=None,
+                                                by=AuditContext(actor="bench"))
+                await asyncio.to_thread(state.directory.refresh)
+                for name in names:
+                    refs[name] = state.directory.resolve_adapter(None, name)
+                    assert refs[name] is not None, name
+
+                async def first_token(model: str) -> float:
+                    start = time.perf_counter()
+                    r = await client.post("/v1/completions", json={
+                        "model": model, "prompt": COLD_PROMPT, "max_tokens": 1,
+                        "temperature": 0})
+                    assert r.status_code == 200, r.text
+                    return time.perf_counter() - start
+
+                async def forget(name: str, *, local_copy: bool) -> None:
+                    """Out of the engine (and the node's cache): as a replica that has
+                    just learnt of the version finds it."""
+                    ref = refs[name]
+                    await engine.remove_adapter(ref.engine_name)
+                    if local_copy:
+                        store = state.registry.store
+                        with store.locked():
+                            store.remove(ref.sha256)
+
+                await first_token(engine.model_id)  # warm-up
+                await first_token("warm")  # now in a device slot
+                rows: dict[str, list[float]] = {"base": [], "warm": [], "disk": [],
+                                                "store": []}
+                for i in range(opts.loads):
+                    rows["base"].append(await first_token(engine.model_id))
+                    rows["warm"].append(await first_token("warm"))
+                    await forget(f"disk-{i}", local_copy=False)
+                    rows["disk"].append(await first_token(f"disk-{i}"))
+                    if opts.store:
+                        await forget(f"store-{i}", local_copy=True)
+                        rows["store"].append(await first_token(f"store-{i}"))
+                for key, values in rows.items():
+                    if values:
+                        report[f"{key}_s"] = _percentiles(values)
+                        print_row(key, report[f"{key}_s"])
+                if burst:
+                    batch = [f"burst-{i}" for i in range(burst)]
+                    for name in batch:
+                        await forget(name, local_copy=True)
+                    start = time.perf_counter()
+                    each = await asyncio.gather(*(first_token(n) for n in batch))
+                    report["burst_s"] = {**_percentiles(list(each)),
+                                         "wall": round(time.perf_counter() - start, 4)}
+                    print_row(f"{burst} cold at once", report["burst_s"])
+        finally:
+            await engine.shutdown()
+    write_report(report, opts.output)
+    return report
+
+
+# A short prompt: the figures are about the adapter, not the prefill.
+COLD_PROMPT = "Write one word about the sea."

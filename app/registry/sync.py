@@ -37,6 +37,8 @@ class EngineSync:
         self._sync_lock = asyncio.Lock()
         # engine name -> the version to retry, and why it failed last
         self._failed: dict[str, tuple[AdapterRef, str]] = {}
+        # engine name -> its load running now (by a sync, or for a request)
+        self._loading: dict[str, asyncio.Task[str | None]] = {}
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         """From now on syncs run on `loop`; those asked for before run now."""
@@ -78,6 +80,43 @@ class EngineSync:
             return True
         _, late = await asyncio.wait(running, timeout=timeout_s)
         return not late
+
+    async def ensure_loaded(self, ref: AdapterRef) -> str | None:
+        """On the serving loop, for a request: `ref` loaded into the engine now, ahead of
+        the versions a sync still has queued (a replica starting with hundreds), or the
+        load already running for it awaited; None once served, else why it failed."""
+        if self.engine.get_adapter(ref.engine_name) is not None:
+            return None
+        return await self._load(ref)
+
+    async def _load(self, ref: AdapterRef) -> str | None:
+        """One load per version at a time, whoever asks (a sync, requests)."""
+        name = ref.engine_name
+        task = self._loading.get(name)
+        if task is None:
+            task = asyncio.ensure_future(self._fetch_and_add(ref))
+            self._loading[name] = task
+            task.add_done_callback(functools.partial(self._loaded, name))
+        # NOTE: shielded: a request whose client left must not cancel the load.
+        return await asyncio.shield(task)
+
+    def _loaded(self, name: str, task: asyncio.Task[str | None]) -> None:
+        if self._loading.get(name) is task:
+            del self._loading[name]
+
+    async def _fetch_and_add(self, ref: AdapterRef) -> str | None:
+        name = ref.engine_name
+        try:
+            files = await asyncio.to_thread(self._files, ref.sha256)
+            await self.engine.add_adapter(name, str(files))
+        except Exception as e:
+            # NOTE: one version this replica cannot load must not stop the others.
+            log.warning("adapter %s@%d (%s) not loaded on this replica: %s",
+                        ref.name, ref.version, name, e)
+            self._failed[name] = (ref, str(e))
+            return str(e)
+        self._failed.pop(name, None)
+        return None
 
     def on_versions_changed(
         self, added: Sequence[AdapterRef], removed: Sequence[AdapterRef]
@@ -123,18 +162,11 @@ class EngineSync:
                 if name in gone or self.engine.get_adapter(name) is not None:
                     self._failed.pop(name, None)
                     continue
-                try:
-                    files = await asyncio.to_thread(self._files, ref.sha256)
-                    await self.engine.add_adapter(name, str(files))
-                except Exception as e:
-                    # NOTE: one version this replica cannot load must not stop the others.
-                    log.warning("adapter %s@%d (%s) not loaded on this replica: %s",
-                                ref.name, ref.version, name, e)
-                    failed[name] = str(e)
-                    self._failed[name] = (ref, failed[name])
-                    continue
-                self._failed.pop(name, None)
-                done_added.append(name)
+                error = await self._load(ref)
+                if error is None:
+                    done_added.append(name)
+                else:
+                    failed[name] = error
         return SyncResult(added=tuple(done_added), removed=tuple(done_removed), failed=failed)
 
 

@@ -25,17 +25,20 @@ from tests.utils.saas import ADMIN_KEY, SECRET_KEY
 
 
 class GatedEngine(CheckingEngine):
-    """Loads an adapter only once the test opens the gate (or refuses it then)."""
+    """Loads an adapter only once the test opens the gate (or refuses it then); with
+    `held`, only the adapters named there wait for the gate."""
 
-    def __init__(self, **kwargs: Any) -> None:
+    def __init__(self, held: set[str] | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.loading = asyncio.Event()
         self.gate = asyncio.Event()
         self.refusal: str | None = None
+        self.held = held
 
     async def add_adapter(self, name: str, path: str) -> AdapterInfo:
-        self.loading.set()
-        await self.gate.wait()
+        if self.held is None or name in self.held:
+            self.loading.set()
+            await self.gate.wait()
         if self.refusal is not None:
             raise AdapterError(self.refusal)
         return await super().add_adapter(name, path)
@@ -65,16 +68,17 @@ async def first(database_url: str, tmp_path: Path) -> AsyncIterator[Server]:
         yield server
 
 
-async def _uploaded(first: Server) -> dict[str, Any]:
-    r = await first.upload(zipped(archive_bytes()), "bot")
+async def _uploaded(first: Server, name: str = "bot") -> dict[str, Any]:
+    r = await first.upload(zipped(archive_bytes()), name)
     assert r.status_code == 201, r.text
     return dict(r.json())
 
 
-def _complete(client: httpx.AsyncClient, first: Server) -> asyncio.Task[httpx.Response]:
+def _complete(client: httpx.AsyncClient, first: Server, model: str = "bot"
+              ) -> asyncio.Task[httpx.Response]:
     return asyncio.create_task(client.post(
         "/v1/completions", headers=first.auth("a-reader"),
-        json={"model": "bot", "prompt": "hi", "max_tokens": 1},
+        json={"model": model, "prompt": "hi", "max_tokens": 1},
     ))
 
 
@@ -94,6 +98,53 @@ async def test_a_request_waits_for_the_version_its_replica_is_loading(first: Ser
         done = await asyncio.wait_for(request, 10)
         assert done.status_code == 200, done.text
         assert engine.submitted[-1].adapter_id == f"av/{version['version_id']}"
+
+
+async def test_a_request_loads_its_version_ahead_of_the_queue(first: Server) -> None:
+    """A replica starting loads its versions one after another; a request for one far
+    down the queue does not wait for those before it (here, one whose load hangs)."""
+    slow = await _uploaded(first, "a-slow")  # first in the queue (by name)
+    bot = await _uploaded(first, "bot")
+    engine = GatedEngine(held={f"av/{slow['version_id']}"}, max_adapter_bytes=MiB)
+    async with second_replica(first, engine) as client:
+        await asyncio.wait_for(engine.loading.wait(), 10)  # the queue is stuck on a-slow
+        done = await asyncio.wait_for(_complete(client, first, "bot"), 10)
+        assert done.status_code == 200, done.text
+        assert engine.get_adapter(f"av/{bot['version_id']}") is not None
+        assert engine.get_adapter(f"av/{slow['version_id']}") is None
+        waiting = _complete(client, first, "a-slow")  # joins the load under way
+        await _still_waiting(waiting)
+        engine.gate.set()
+        served = await asyncio.wait_for(waiting, 10)
+        assert served.status_code == 200, served.text
+        assert [c[0] for c in engine.add_calls].count(f"av/{slow['version_id']}") == 1
+
+
+async def test_a_version_deleted_after_its_load_began_is_not_left_loaded(
+    first: Server,
+) -> None:
+    version = await _uploaded(first)
+    engine = GatedEngine(max_adapter_bytes=MiB)
+    async with second_replica(first, engine) as client:
+        await asyncio.wait_for(engine.loading.wait(), 10)
+        request = _complete(client, first)
+        await _still_waiting(request)
+        deleted = await first.client.delete(f"/admin/adapters/{version['adapter_id']}",
+                                            headers=first.auth("admin"))
+        assert deleted.status_code == 200, deleted.text
+        for _ in range(100):  # the second replica's directory sees the delete
+            models = await client.get("/v1/models", headers=first.auth("a-reader"))
+            if "bot" not in [m["id"] for m in models.json()["data"]]:
+                break
+            await asyncio.sleep(0.05)
+        engine.gate.set()  # the load succeeds, for a version no longer ready
+        gone = await asyncio.wait_for(request, 10)
+        assert gone.status_code == 404, gone.text
+        for _ in range(100):
+            if not engine.list_adapters():
+                break
+            await asyncio.sleep(0.05)
+        assert engine.list_adapters() == []
 
 
 async def test_a_load_that_fails_is_a_retryable_503_naming_why(first: Server) -> None:

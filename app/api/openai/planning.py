@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import math
@@ -126,26 +127,34 @@ def resolve_target(state: AppState, principal: Principal, model: str) -> ModelTa
     raise model_not_found(model)
 
 
-# How long a request for a ready version waits for this replica's engine to finish
-# loading it (at start, every ready version loads; a new upload loads in a second or so).
+# How long a request for a ready version waits for this replica's engine to load it
+# (fetched from the object store, read and checked: well under a second for most).
 ADAPTER_LOAD_WAIT_S = 60.0
 
 
 async def wait_until_served(state: AppState, target: ModelTarget, model: str) -> None:
-    """A registry version the directory lists as ready may still be loading into this
-    replica's engine (just started, or just uploaded elsewhere): wait for that, not 404.
-    Still not served then: 503 `adapter_unavailable` (retry), 404 if it went away.
+    """A registry version the directory lists as ready may not be loaded into this
+    replica's engine yet (just started with many, or just uploaded elsewhere): load it
+    now, ahead of the rest, and wait for that instead of a 404. Still not served then:
+    503 `adapter_unavailable` (retry), 404 if the version went away meanwhile.
     `model`: as the client named it."""
     ref = target.ref
     if ref is None or state.engine.get_adapter(ref.engine_name) is not None:
         return
     sync = state.registry.engine_sync
-    await sync.settled(ADAPTER_LOAD_WAIT_S)
+    reason: str | None = None
+    try:
+        async with asyncio.timeout(ADAPTER_LOAD_WAIT_S):
+            reason = await sync.ensure_loaded(ref)
+    except TimeoutError:
+        pass  # the load goes on; a retry finds it done
+    if state.directory.model_name(ref.engine_name) is None:
+        # Deleted (or replaced) while it loaded: not served, and not left loaded.
+        if state.engine.get_adapter(ref.engine_name) is not None:
+            sync.on_versions_changed((), (ref,))
+        raise model_not_found(model)
     if state.engine.get_adapter(ref.engine_name) is not None:
         return
-    if state.directory.model_name(ref.engine_name) is None:
-        raise model_not_found(model)  # deleted (or replaced) while it loaded
-    reason = sync.retry(ref.engine_name)
     why = f" ({reason})" if reason else ""
     raise overloaded(
         f"The adapter '{model}' is not loaded on this replica yet{why}; retry shortly.",
