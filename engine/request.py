@@ -58,6 +58,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; k >= 0: chosen token + top-k alternatives
+    # None: none; k >= 0: each prompt token's logprob (the first has none) + top-k, from
+    # the prefill's logits (such a request computes its whole prompt: no prefix-cache hit).
+    prompt_logprobs: int | None = None
     # The output must follow this spec (engine/structured/). Logprobs are then those of the
     # masked distribution, the one actually sampled from: refused tokens never appear.
     # NOTE: a grammar that is complete (nothing but EOS may follow) ends the request with
@@ -84,6 +87,8 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            raise ValueError(f"prompt_logprobs must be >= 0, got {self.prompt_logprobs}")
 
     @property
     def greedy(self) -> bool:
@@ -95,6 +100,8 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]  # (token id, logprob), best first
+    # 1 + how many tokens are likelier; reported for prompt tokens only (None otherwise).
+    rank: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,3 +139,6 @@ class RequestOutput:
     new_logprobs: list[TokenLogprob] = field(default_factory=list)
     # Text of each new token, only when logprobs were asked for (same length as new_logprobs).
     new_token_texts: list[str] = field(default_factory=list)
+    # With prompt_logprobs, in the request's first output only: one per prompt token, the
+    # first None (nothing precedes it).
+    prompt_logprobs: list[TokenLogprob | None] | None = None

@@ -115,7 +115,9 @@ class BlockManager:
         request's key chain is memoized; blocks, ref counts and statistics are untouched.
         """
         assert not request.block_ids, f"{request.request_id} already holds blocks"
-        if not self.enable_prefix_caching:
+        # NOTE: prompt logprobs come from the prefill's logits: every prompt token is
+        # computed (its blocks are still cached for the requests after it).
+        if not self.enable_prefix_caching or request.sampling.prompt_logprobs is not None:
             return 0
         max_blocks = (request.num_tokens - 1) // self.block_size
         num_hits = 0

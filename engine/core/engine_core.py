@@ -218,6 +218,7 @@ class EngineCore:
                 self._execute, scheduled, adapter_slots, self.config.block_size
             )
             scheduled, logits, failed = isolated.output, isolated.logits, isolated.failed
+        self._record_prompt_logprobs()
         self.scheduler.update_after_step(scheduled)
         sampling = [c.request for c in scheduled.chunks if c.samples]
         results: list[SampleResult | None] = []
@@ -244,6 +245,14 @@ class EngineCore:
         else:
             self.consecutive_failures = 0
         return outputs, False
+
+    def _record_prompt_logprobs(self) -> None:
+        """Into each request, the prompt logprobs its chunks of this step computed."""
+        for request_id, (first, entries) in self.runner.take_prompt_logprobs().items():
+            request = self.scheduler.get_request(request_id)
+            if request is None or request.prompt_logprobs is None:
+                continue
+            request.prompt_logprobs[first:first + len(entries)] = entries
 
     def _note_failure(self, where: str, exc: BaseException) -> None:
         self.num_step_failures += 1

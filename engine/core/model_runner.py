@@ -14,6 +14,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.core.memory import KVCacheBudget, kv_cache_budget
+from engine.core.sampler import prompt_token_logprobs
 from engine.core.state import ScheduledChunk, SchedulerOutput
 from engine.core.step_profile import run_largest_step
 from engine.lora.layers import LoRASlots
@@ -41,6 +42,7 @@ from engine.models.quantized import (
     weight_bytes,
 )
 from engine.models.registry import model_class_for
+from engine.request import TokenLogprob
 from engine.runtime import cpu_features
 from engine.runtime.host_memory import (
     idle_trimmer,
@@ -58,6 +60,9 @@ logger = logging.getLogger(__name__)
 # (config.kv_cache_prefault) or else only once blocks are written, RSS then following the
 # blocks used.
 CPU_DEFAULT_KV_CACHE_TOKENS = 65536
+# Prompt logprobs: rows of logits computed at a time (x the vocabulary, float32: 128 rows
+# of a 128k vocabulary are 64 MiB).
+PROMPT_LOGPROB_ROWS = 128
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -135,6 +140,7 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, model_dir: Path) -> None:
         self.config = config
         self.model_dir = Path(model_dir)
+        self._prompt_results: dict[str, tuple[int, list[TokenLogprob]]] = {}
         self.model_config: ModelConfig = validate_model_dir(self.model_dir)
         self.device, self.dtype = resolve_device_dtype(config.device, config.dtype)
         self.compute = describe_compute(self.device)  # what the dtype was chosen for
@@ -399,9 +405,37 @@ class ModelRunner:
             hidden = self.model(
                 inputs.input_ids, inputs.positions, inputs.metadata, self.kv_caches, inputs.lora
             )
+            if any(c.request.prompt_logprobs is not None for c in output.chunks):
+                self._prompt_logprobs(output.chunks, hidden)
             if inputs.sample_indices.numel() == 0:
                 return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
             return self.model.compute_logits(hidden[inputs.sample_indices])
+
+    def take_prompt_logprobs(self) -> dict[str, tuple[int, list[TokenLogprob]]]:
+        """The prompt logprobs the steps since the last call computed: request id ->
+        (the prompt index of the first entry, entries)."""
+        taken, self._prompt_results = self._prompt_results, {}
+        return taken
+
+    def _prompt_logprobs(self, chunks: list[ScheduledChunk], hidden: torch.Tensor) -> None:
+        """For each chunk whose request asked for prompt logprobs: the logprob of every
+        prompt token the chunk's positions predict (a chunk of [a, b) predicts a+1 .. b,
+        the last prompt token at most), PROMPT_LOGPROB_ROWS rows of logits at a time so
+        that a long prompt never holds a prompt x vocabulary tensor."""
+        row = 0  # the runner lays chunks out in order, one row per token
+        for chunk in chunks:
+            request = chunk.request
+            k = request.sampling.prompt_logprobs
+            end = min(chunk.start + chunk.num_tokens, request.num_prompt_tokens - 1)
+            if k is not None and end > chunk.start:
+                targets = request.prompt_token_ids[chunk.start + 1:end + 1]
+                entries: list[TokenLogprob] = []
+                for first in range(0, len(targets), PROMPT_LOGPROB_ROWS):
+                    count = min(PROMPT_LOGPROB_ROWS, len(targets) - first)
+                    logits = self.model.compute_logits(hidden[row + first:row + first + count])
+                    entries += prompt_token_logprobs(logits, targets[first:first + count], k)
+                self._prompt_results[request.request_id] = (chunk.start + 1, entries)
+            row += chunk.num_tokens
 
     def prepare_inputs(
         self, chunks: list[ScheduledChunk], adapter_slots: Mapping[str, int] | None = None

@@ -123,6 +123,11 @@ def request_output(
     new_logprobs: list[TokenLogprob] | None = None,
     token_texts: list[str] | None = None,
 ) -> RequestOutput:
+    prompt_logprobs = None
+    if request.prompt_logprobs is not None and not request.prompt_logprobs_sent and (
+        new_token_ids or request.is_finished
+    ):
+        prompt_logprobs, request.prompt_logprobs_sent = request.prompt_logprobs, True
     return RequestOutput(
         request_id=request.request_id,
         new_token_ids=new_token_ids or [],
@@ -134,4 +139,5 @@ def request_output(
         num_cached_tokens=request.num_cached_tokens,
         new_logprobs=new_logprobs or [],
         new_token_texts=token_texts or [],
+        prompt_logprobs=prompt_logprobs,
     )

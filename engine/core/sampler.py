@@ -295,6 +295,26 @@ def apply_penalties(logits: Tensor, requests: list[Request], rows: list[int]) ->
     return out
 
 
+def prompt_token_logprobs(logits: Tensor, targets: list[int], k: int) -> list[TokenLogprob]:
+    """For rows of prompt positions: the logprob and rank of the prompt token that follows
+    each (`targets`) under the model's distribution, and the top-k alternatives."""
+    logprobs = torch.log_softmax(logits.nan_to_num(nan=-torch.inf), dim=-1)
+    logprobs.nan_to_num_(nan=MIN_LOGPROB).clamp_(min=MIN_LOGPROB)
+    index = torch.tensor(targets, device=logits.device)[:, None]
+    chosen = logprobs.gather(1, index)
+    ranks = (logprobs > chosen).sum(dim=1).add_(1).tolist()
+    values: list[list[float]] = [[] for _ in targets]
+    ids: list[list[int]] = [[] for _ in targets]
+    if k:
+        top = logprobs.topk(min(k, logprobs.shape[1]), dim=-1)
+        values, ids = top.values.tolist(), top.indices.tolist()
+    return [
+        TokenLogprob(token_id=t, logprob=lp, top=list(zip(i, v, strict=True)), rank=r)
+        for t, lp, i, v, r in zip(targets, chosen.squeeze(1).tolist(), ids, values, ranks,
+                                  strict=True)
+    ]
+
+
 def compute_logprobs(
     logits: Tensor, token_ids: list[int], params: list[SamplingParams]
 ) -> list[TokenLogprob | None]:

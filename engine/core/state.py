@@ -14,6 +14,7 @@ from engine.request import (
     EngineRequest,
     SamplingParams,
     TenantContext,
+    TokenLogprob,
 )
 from engine.structured.matcher import GrammarMatcher
 
@@ -73,10 +74,17 @@ class Request:
     # Where the output stands in its grammar (SamplingParams.structured); None: free.
     # Advanced only by newly sampled tokens, so a recompute after preemption replays none.
     matcher: GrammarMatcher | None = None
+    # With SamplingParams.prompt_logprobs: one entry per prompt token, filled as its
+    # prefill runs (by position: a recompute after preemption writes the same ones), and
+    # sent with the first output.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    prompt_logprobs_sent: bool = False
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
             raise ValueError("prompt must contain at least one token")
+        if self.sampling.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None] * len(self.prompt_token_ids)
         if self.sampling.seed is not None and self.generator is None:
             self.generator = torch.Generator().manual_seed(self.sampling.seed)
 

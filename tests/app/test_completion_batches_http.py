@@ -167,11 +167,16 @@ def test_echo_prepends_each_prompt(service: Service) -> None:
         assert first + "".join(rest) == prompt + singles[index][0]
 
 
-def test_echo_with_logprobs_is_refused(service: Service) -> None:
-    with pytest.raises(openai.BadRequestError) as info:
-        service.complete(TEXTS[0], echo=True, logprobs=1)
-    assert (info.value.code, info.value.param) == ("unsupported_parameter", "echo")
-    assert "'echo' with 'logprobs' is not supported" in info.value.message
+def test_echo_with_logprobs_starts_with_each_prompts(service: Service) -> None:
+    """Each choice's logprobs start with its own prompt's tokens (the first null), then
+    its completion's (tests/app/test_prompt_logprobs_http.py checks the values)."""
+    response = service.complete(TEXTS, echo=True, logprobs=1, max_tokens=2)
+    for prompt, choice in zip(TEXTS, response.choices, strict=True):
+        assert choice.logprobs is not None and choice.text.startswith(prompt)
+        values = choice.logprobs.token_logprobs
+        assert values[0] is None and all(v is not None for v in values[1:])
+        echoed = len(values) - 2  # the prompt's tokens, then the two generated
+        assert "".join(choice.logprobs.tokens[:echoed]) == prompt
 
 
 # ---------------------------------------------------------------- context length

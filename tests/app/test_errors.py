@@ -58,10 +58,10 @@ COMPLETION_CASES = [
         "(5 in the prompt, 60 in the completion). Please reduce the length of the prompt or "
         "'max_tokens'.", "max_tokens", "context_length_exceeded")),
     ("max-tokens-zero", completion(max_tokens=0), error(
-        "Invalid 'max_tokens': must be at least 1, got 0.", "max_tokens",
-        "integer_below_min_value")),
+        "'max_tokens' must be at least 1; 0 is only accepted with 'echo' (the prompt alone, "
+        "with its logprobs when 'logprobs' is set).", "max_tokens")),
     ("max-tokens-negative", completion(max_tokens=-3), error(
-        "Invalid 'max_tokens': must be at least 1, got -3.", "max_tokens",
+        "Invalid 'max_tokens': must be at least 0, got -3.", "max_tokens",
         "integer_below_min_value")),
     ("temperature-low", completion(temperature=-0.5), error(
         "Invalid 'temperature': must be at least 0, got -0.5.", "temperature",
@@ -99,9 +99,12 @@ COMPLETION_CASES = [
         "Invalid 'logprobs': must be at most 5, got 6.", "logprobs", "integer_above_max_value")),
     ("too-many-stops", completion(stop=[str(i) for i in range(17)]), error(
         "Invalid 'stop': at most 16 stop sequences are allowed, got 17.", "stop")),
-    ("echo-logprobs", completion(echo=True, logprobs=1), error(
-        "'echo' with 'logprobs' is not supported: the prompt's logprobs are not available. "
-        "Send 'echo' without 'logprobs'.", "echo", "unsupported_parameter")),
+    ("max-tokens-negative-echo", completion(max_tokens=-1, echo=True), error(
+        "Invalid 'max_tokens': must be at least 0, got -1.", "max_tokens",
+        "integer_below_min_value")),
+    ("prompt-logprobs", completion(prompt_logprobs=21), error(
+        "Invalid 'prompt_logprobs': must be at most 20, got 21.", "prompt_logprobs",
+        "integer_above_max_value")),
     ("logit-bias", completion(logit_bias={"50": 10}), error(
         "'logit_bias' is not supported.", "logit_bias", "unsupported_parameter")),
     ("missing-model", {"prompt": "x"}, error("Missing required parameter: 'model'.", "model")),
@@ -131,6 +134,9 @@ async def test_bad_completion_requests(body: dict[str, Any], expected: dict[str,
 
 
 CHAT_CASES = [
+    ("prompt-logprobs-stream", chat(prompt_logprobs=1, stream=True), error(
+        "'prompt_logprobs' is not supported with 'stream' on chat completions; send the "
+        "request without 'stream'.", "prompt_logprobs")),
     ("no-messages", chat(messages=[]), error(
         "'messages' must contain at least one message.", "messages")),
     ("function-role", chat(messages=[{"role": "function", "content": "x"}]), error(

@@ -199,13 +199,16 @@ BOUNDS: list[tuple[str, str, dict[str, float]]] = [
     ("CompletionRequest", "repetition_penalty", {"minimum": 0.01, "maximum": 100}),
     ("CompletionRequest", "priority", {"minimum": 0}),
     ("CompletionRequest", "seed", {"minimum": INT64_MIN, "maximum": INT64_MAX - 16}),
-    ("CompletionRequest", "max_tokens", {"minimum": 1}),
+    # 0 with echo (the base body below echoes): the prompt and its logprobs alone.
+    ("CompletionRequest", "max_tokens", {"minimum": 0}),
     ("CompletionRequest", "logprobs", {"minimum": 0, "maximum": 5}),
+    ("CompletionRequest", "prompt_logprobs", {"minimum": 0, "maximum": 20}),
     ("ChatCompletionRequest", "temperature", {"minimum": 0, "maximum": 2}),
     ("ChatCompletionRequest", "top_p", {"exclusiveMinimum": 0, "maximum": 1}),
     ("ChatCompletionRequest", "max_tokens", {"minimum": 1}),
     ("ChatCompletionRequest", "max_completion_tokens", {"minimum": 1}),
     ("ChatCompletionRequest", "top_logprobs", {"minimum": 0, "maximum": 20}),
+    ("ChatCompletionRequest", "prompt_logprobs", {"minimum": 0, "maximum": 20}),
 ]
 
 BOUND_IDS = [f"{model}.{field}" for model, field, _ in BOUNDS]
@@ -227,7 +230,7 @@ RANGE_CODES = {f"{kind}_{side}_value" for kind in ("integer", "decimal")
 
 def _base_body(model: str) -> dict[str, Any]:
     if model == "CompletionRequest":
-        return {"model": MODEL, "prompt": "hello", "max_tokens": 2}
+        return {"model": MODEL, "prompt": "hello", "max_tokens": 2, "echo": True}
     return {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
             "logprobs": True}
 

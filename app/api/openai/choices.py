@@ -23,6 +23,8 @@ class ChoiceResult:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     first_token_time: float | None = None
+    # With prompt logprobs: one per prompt token (the first None), from the first output.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def text(self) -> str:
@@ -31,6 +33,8 @@ class ChoiceResult:
     def add(self, output: RequestOutput) -> None:
         if output.new_token_ids and self.first_token_time is None:
             self.first_token_time = time.monotonic()
+        if output.prompt_logprobs is not None:
+            self.prompt_logprobs = output.prompt_logprobs
         self.text_parts.append(output.new_text)
         self.token_texts.extend(output.new_token_texts)
         self.logprobs.extend(output.new_logprobs)
@@ -49,7 +53,8 @@ def usage_of(plan: GenerationPlan, results: Sequence[ChoiceResult]) -> UsageInfo
     # Each prompt is counted once however many choices share it, as OpenAI does;
     # it counts as cached only as far as every one of its choices found it cached.
     num_prompt = plan.num_prompt_tokens
-    num_completion = sum(r.num_output_tokens for r in results)
+    # echo_only: the one token sampled with the prompt's logprobs is neither shown nor billed.
+    num_completion = 0 if plan.echo_only else sum(r.num_output_tokens for r in results)
     n = plan.choices_per_prompt
     num_cached = sum(
         min((r.num_cached_tokens for r in results[p * n:(p + 1) * n]), default=0)

@@ -44,6 +44,11 @@ class GenerationPlan:
     # The functions the model may call (chat and responses); their calls are parsed out
     # of its text.
     tools: ToolPlan = NO_TOOLS
+    # `prompt_logprobs` asked for (vLLM's field): its N; None: not asked.
+    prompt_logprobs: int | None = None
+    # `max_tokens: 0` with `echo`: the engine samples one token, which nobody is shown or
+    # billed (the prompt's logprobs come with it).
+    echo_only: bool = False
 
     @property
     def num_choices(self) -> int:

@@ -44,7 +44,7 @@ BodyT = TypeVar("BodyT", bound=BaseModel)
 # others are derived below: max_tokens, top_k, seed, stop, ignore_eos, logprobs).
 _SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams)) - {
     "max_tokens", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs",
-    "structured",
+    "structured", "prompt_logprobs",
 }
 
 
@@ -269,7 +269,7 @@ def _checked_constraint(
 
 def _sampling_per_choice(
     body: GenerationFields, *, max_tokens: int, stop: list[str], logprobs: int | None,
-    structured: StructuredOutput | None = None,
+    structured: StructuredOutput | None = None, prompt_logprobs: int | None = None,
 ) -> list[SamplingParams]:
     given = {name: getattr(body, name) for name in _SAMPLING_FIELDS}
     same = {name: value for name, value in given.items() if value is not None}
@@ -283,6 +283,7 @@ def _sampling_per_choice(
             ignore_eos=bool(body.ignore_eos),
             logprobs=logprobs,
             structured=structured,
+            prompt_logprobs=prompt_logprobs,
             **same,
         )
         for i in range(body.n or 1)
@@ -341,11 +342,11 @@ def plan_completion(
     state: AppState, body: CompletionRequest, principal: Principal
 ) -> GenerationPlan:
     arrival = time.monotonic()
-    if body.echo and body.logprobs is not None:
-        # The engine returns no logprobs of prompt tokens, which echo's logprobs start with.
-        raise _refuse_unsupported(
-            "echo", "'echo' with 'logprobs' is not supported: the prompt's logprobs are not "
-            "available. Send 'echo' without 'logprobs'.",
+    echo_only = body.max_tokens == 0
+    if echo_only and not body.echo:
+        raise invalid_request(
+            "'max_tokens' must be at least 1; 0 is only accepted with 'echo' (the prompt "
+            "alone, with its logprobs when 'logprobs' is set).", param="max_tokens",
         )
     if body.suffix:
         raise _refuse_unsupported("suffix", "'suffix' is not supported.")
@@ -353,24 +354,29 @@ def plan_completion(
         raise _refuse_unsupported("best_of", "'best_of' other than 'n' is not supported.")
     stop = _check_common(body, state.settings.max_stop_sequences)
     target = resolve_target(state, principal, body.model)
+    # The engine computes the prompt's logprobs for echo's and for prompt_logprobs'.
+    wanted = [n for n in (body.logprobs if body.echo else None, body.prompt_logprobs)
+              if n is not None]
+    prompt_logprobs = max(wanted) if wanted else None
     batch = _prompt_batch(body.prompt)
     prompts = _completion_prompts(state.engine, batch, body.n or 1)
     structured = _checked_constraint(state, structured_output_of(body))
     sampling = []
     for prompt in prompts:
         max_tokens = _max_tokens_for(
-            state, principal, len(prompt), body.max_tokens,
+            state, principal, len(prompt), 1 if echo_only else body.max_tokens,
             prompt_param="prompt", max_tokens_param="max_tokens",
         )
         sampling += _sampling_per_choice(
             body, max_tokens=max_tokens, stop=stop, logprobs=body.logprobs,
-            structured=structured,
+            structured=structured, prompt_logprobs=prompt_logprobs,
         )
     echo_texts = [_echo_text(state.engine, one) for one in batch] if body.echo else None
     return _plan(
         state, body, principal, target,
         response_id=new_response_id("cmpl"), prompts=prompts, sampling=sampling,
         arrival=arrival, echo_texts=None if echo_texts is None else tuple(echo_texts),
+        echo_only=echo_only,
     )
 
 
@@ -434,8 +440,14 @@ def plan_chat(
         prompt_param="messages", max_tokens_param=max_tokens_param,
     )
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    if body.prompt_logprobs is not None and body.stream:
+        raise invalid_request(
+            "'prompt_logprobs' is not supported with 'stream' on chat completions; send the "
+            "request without 'stream'.", param="prompt_logprobs",
+        )
     sampling = _sampling_per_choice(
-        body, max_tokens=max_tokens, stop=stop, logprobs=logprobs, structured=structured
+        body, max_tokens=max_tokens, stop=stop, logprobs=logprobs, structured=structured,
+        prompt_logprobs=body.prompt_logprobs,
     )
     return _plan(
         state, body, principal, target,
@@ -449,6 +461,7 @@ def _plan(
     target: ModelTarget, *, response_id: str, prompts: Sequence[Sequence[int]],
     sampling: Sequence[SamplingParams], arrival: float,
     echo_texts: tuple[str, ...] | None = None, tools: ToolPlan = NO_TOOLS,
+    echo_only: bool = False,
 ) -> GenerationPlan:
     """The one place a GenerationPlan is made: what every endpoint's plan shares comes
     from the request body, the caller and the settings here."""
@@ -467,4 +480,6 @@ def _plan(
         kv_share=state.settings.tenant_kv_share,
         echo_texts=echo_texts,
         tools=tools,
+        prompt_logprobs=body.prompt_logprobs,
+        echo_only=echo_only,
     )

@@ -111,6 +111,7 @@ Priority = Annotated[int, documented(minimum=0)]
 MaxTokens = Annotated[int, documented(minimum=1)]
 CompletionLogprobCount = Annotated[int, documented(minimum=0, maximum=5)]
 ChatTopLogprobs = Annotated[int, documented(minimum=0, maximum=20)]
+PromptLogprobCount = Annotated[int, documented(minimum=0, maximum=20)]
 # A prompt: one non-empty text or token-id list, or a batch of either (at most
 # MAX_CHOICES prompts times `n`).
 TokenIds = Annotated[list[Annotated[int, documented(minimum=0)]], documented(minItems=1)]
@@ -157,6 +158,8 @@ class GenerationFields(BaseModel):
     priority: Priority | None = None
     # Accepted so that an empty map passes; a non-empty one is refused (not supported).
     logit_bias: Annotated[dict[str, float], documented(maxProperties=0)] | None = None
+    # Extension (vLLM's): each prompt token's logprob, rank and top-N alternatives.
+    prompt_logprobs: PromptLogprobCount | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -189,9 +192,11 @@ class ConstrainedFields(BaseModel):
 class CompletionRequest(ConstrainedFields, GenerationFields):
     # A string, a list of token ids, or a batch of either: each prompt its own choices.
     prompt: Prompt
-    max_tokens: MaxTokens | None = None
+    # 0 only with `echo`: the prompt (and with `logprobs`, its tokens' logprobs) alone.
+    max_tokens: Annotated[int, documented(minimum=0)] | None = None
     logprobs: CompletionLogprobCount | None = None
-    # Each choice's text starts with its prompt (not with `logprobs`: refused).
+    # Each choice's text starts with its prompt; with `logprobs`, so do its logprobs (the
+    # first token's null).
     echo: bool | None = False
     suffix: Annotated[str, documented(maxLength=0)] | None = None
     best_of: int | None = None
@@ -310,9 +315,29 @@ class UsageInfo(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    # null for an echoed prompt's first token (nothing precedes it).
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
     text_offset: list[int] = Field(default_factory=list)
+
+
+class PromptLogprob(BaseModel):
+    """vLLM's shape: one token's logprob, its rank (1: the likeliest), its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str
+
+
+# One per prompt token: the token itself and its top-N alternatives by token id (the
+# first token: null).
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
+def _without_absent_prompt_logprobs(data: dict[str, Any]) -> dict[str, Any]:
+    if data.get("prompt_logprobs") is None:
+        data.pop("prompt_logprobs", None)
+    return data
 
 
 class CompletionChoice(BaseModel):
@@ -320,6 +345,12 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason | None = None
+    # Only with `prompt_logprobs` (vLLM's extension), as vLLM sends it.
+    prompt_logprobs: PromptLogprobs | None = None
+
+    @model_serializer(mode="wrap")
+    def _serialize(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _without_absent_prompt_logprobs(handler(self))
 
 
 class CompletionResponse(BaseModel):
@@ -378,6 +409,12 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: UsageInfo
     system_fingerprint: str | None = None
+    # Only with `prompt_logprobs` (vLLM's extension): of the templated prompt's tokens.
+    prompt_logprobs: PromptLogprobs | None = None
+
+    @model_serializer(mode="wrap")
+    def _serialize(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _without_absent_prompt_logprobs(handler(self))
 
 
 class DeltaFunction(BaseModel):

@@ -27,6 +27,8 @@ from app.api.openai.protocol import (
     CompletionResponse,
     DeltaMessage,
     FinishReason,
+    PromptLogprob,
+    PromptLogprobs,
     TopLogprob,
     UsageInfo,
 )
@@ -96,6 +98,65 @@ def completion_logprobs(
     return out
 
 
+def echo_logprobs(
+    token_text: TokenText,
+    prompt: Sequence[int],
+    entries: Sequence[TokenLogprob | None],
+    *,
+    num_top: int,
+    text_offset: int,
+) -> CompletionLogprobs:
+    """The echoed prompt's part of a completion's `logprobs`: each prompt token, its
+    logprob and top alternatives (null for the first token: nothing precedes it)."""
+    out = CompletionLogprobs()
+    for token_id, entry in zip(prompt, entries, strict=True):
+        text = token_text(token_id)
+        out.tokens.append(text)
+        out.text_offset.append(text_offset)
+        text_offset += len(text)
+        if entry is None:
+            out.token_logprobs.append(None)
+            out.top_logprobs.append(None)
+        else:
+            out.token_logprobs.append(entry.logprob)
+            out.top_logprobs.append({token_text(t): v for t, v in entry.top[:num_top]})
+    return out
+
+
+def joined_logprobs(parts: Sequence[CompletionLogprobs]) -> CompletionLogprobs:
+    out = CompletionLogprobs()
+    for part in parts:
+        out.tokens += part.tokens
+        out.token_logprobs += part.token_logprobs
+        out.top_logprobs += part.top_logprobs
+        out.text_offset += part.text_offset
+    return out
+
+
+def prompt_logprobs_of(
+    token_text: TokenText,
+    prompt: Sequence[int],
+    entries: Sequence[TokenLogprob | None],
+    *,
+    num_top: int,
+) -> PromptLogprobs:
+    """vLLM's `prompt_logprobs`: per prompt token (the first null), its top `num_top`
+    alternatives by token id, and the token itself with its rank."""
+    out: PromptLogprobs = []
+    for token_id, entry in zip(prompt, entries, strict=True):
+        if entry is None:
+            out.append(None)
+            continue
+        by_id = {
+            str(t): PromptLogprob(logprob=v, rank=rank, decoded_token=token_text(t))
+            for rank, (t, v) in enumerate(entry.top[:num_top], start=1)
+        }
+        by_id[str(token_id)] = PromptLogprob(
+            logprob=entry.logprob, rank=entry.rank, decoded_token=token_text(token_id))
+        out.append(by_id)
+    return out
+
+
 def chat_logprobs(
     token_text: TokenText, logprobs: Sequence[TokenLogprob], texts: Sequence[str], *, num_top: int
 ) -> ChatLogprobs:
@@ -141,35 +202,64 @@ class CompletionRenderer:
         return "" if plan.echo_texts is None else plan.echo_texts[plan.prompt_index(index)]
 
     def _logprobs(
-        self, logprobs: Sequence[TokenLogprob], texts: Sequence[str], text_offset: int
+        self, index: int, prompt_entries: Sequence[TokenLogprob | None] | None,
+        logprobs: Sequence[TokenLogprob], texts: Sequence[str], *, text_offset: int,
+        echoed: str,
     ) -> CompletionLogprobs | None:
+        """The choice's `logprobs` from `text_offset` on: with `echo`, the prompt's part
+        first (in the output that carries the prompt's logprobs), then the tokens'."""
         if self.num_top is None:
             return None
-        return completion_logprobs(
-            self.token_text, logprobs, texts, num_top=self.num_top, text_offset=text_offset
-        )
+        plan = self.plan
+        parts = []
+        if plan.echo_texts is not None and prompt_entries is not None:
+            parts.append(echo_logprobs(
+                self.token_text, plan.prompt_of(index), prompt_entries, num_top=self.num_top,
+                text_offset=text_offset,
+            ))
+        if not plan.echo_only:
+            parts.append(completion_logprobs(
+                self.token_text, logprobs, texts, num_top=self.num_top,
+                text_offset=text_offset + len(echoed),
+            ))
+        return joined_logprobs(parts)
+
+    def _prompt_logprobs(
+        self, index: int, entries: Sequence[TokenLogprob | None] | None
+    ) -> PromptLogprobs | None:
+        num_top = self.plan.prompt_logprobs
+        if num_top is None or entries is None:
+            return None
+        return prompt_logprobs_of(self.token_text, self.plan.prompt_of(index), entries,
+                                  num_top=num_top)
 
     def response(self, results: Sequence[ChoiceResult], usage: UsageInfo) -> CompletionResponse:
-        choices = [
-            CompletionChoice(
+        echo_only = self.plan.echo_only
+        choices = []
+        for index, result in enumerate(results):
+            echoed = self._echo(index)
+            choices.append(CompletionChoice(
                 index=index,
-                text=self._echo(index) + result.text,
-                logprobs=self._logprobs(result.logprobs, result.token_texts, 0),
+                text=echoed + ("" if echo_only else result.text),
+                logprobs=self._logprobs(index, result.prompt_logprobs, result.logprobs,
+                                        result.token_texts, text_offset=0, echoed=echoed),
                 finish_reason=_finish_reason(result.finish_reason),
-            )
-            for index, result in enumerate(results)
-        ]
+                prompt_logprobs=self._prompt_logprobs(index, result.prompt_logprobs),
+            ))
         return self._object(choices, usage)
 
     def stream_start(self) -> Iterator[bytes]:
         return iter(())
 
     def stream_output(self, index: int, output: RequestOutput) -> Iterator[bytes]:
-        if not (output.new_text or output.new_logprobs or output.finished):
+        if not (output.new_text or output.new_logprobs or output.finished
+                or output.prompt_logprobs is not None):
             return
-        text, self._unechoed[index] = self._unechoed[index] + output.new_text, ""
+        echoed, self._unechoed[index] = self._unechoed[index], ""
+        text = echoed + ("" if self.plan.echo_only else output.new_text)
         logprobs = self._logprobs(
-            output.new_logprobs, output.new_token_texts, self._offsets[index]
+            index, output.prompt_logprobs, output.new_logprobs, output.new_token_texts,
+            text_offset=self._offsets[index], echoed=echoed,
         )
         self._offsets[index] += len(text)
         choice = CompletionChoice(
@@ -177,6 +267,7 @@ class CompletionRenderer:
             text=text,
             logprobs=logprobs,
             finish_reason=_finish_reason(output.finish_reason) if output.finished else None,
+            prompt_logprobs=self._prompt_logprobs(index, output.prompt_logprobs),
         )
         yield _chunk(self._object([choice]), self.plan)
 
@@ -236,9 +327,15 @@ class ChatRenderer:
                 logprobs=self._logprobs(result.logprobs, result.token_texts),
                 finish_reason=_chat_finish_reason(result.finish_reason, bool(message.tool_calls)),
             ))
+        prompt_logprobs = None
+        if plan.prompt_logprobs is not None and results and results[0].prompt_logprobs:
+            prompt_logprobs = prompt_logprobs_of(
+                self.token_text, plan.prompt_of(0), results[0].prompt_logprobs,
+                num_top=plan.prompt_logprobs,
+            )
         return ChatCompletionResponse(
             id=plan.response_id, created=plan.created, model=plan.model, choices=choices,
-            usage=usage,
+            usage=usage, prompt_logprobs=prompt_logprobs,
         )
 
     def stream_start(self) -> Iterator[bytes]:
