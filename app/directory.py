@@ -321,6 +321,10 @@ class Directory:
                 latest[name] = line[-1]
         return [latest[name] for name in sorted(latest)]
 
+    def ready_ref(self, version_id: str) -> AdapterRef | None:
+        """A ready version by its id; None if it is not (or no longer) ready."""
+        return self._snap.ready.get(version_id)
+
     def ready_versions(self) -> list[AdapterRef]:
         """Every ready version, of every tenant and shared."""
         return sorted(

@@ -35,6 +35,7 @@ from app.api.state import AppState
 from app.core.config import Settings
 from app.db import make_engine, prepare_database, session_factory
 from app.directory import Directory
+from app.evals.service import EvalService
 from app.metering.recorder import UsageRecorder
 from app.metering.reports import tokens_since
 from app.metrics import Metrics
@@ -86,6 +87,7 @@ def create_app(
     )
     directory.load()
     metrics = Metrics(engine, adapter_names=directory.model_name)
+    registry = AdapterRegistry(db, engine, settings)
     state = AppState(
         engine=engine,
         settings=settings,
@@ -106,7 +108,8 @@ def create_app(
             flush_interval_s=settings.usage_flush_interval_s,
             on_db_error=metrics.observe_usage_db_error,
         ),
-        registry=AdapterRegistry(db, engine, settings),
+        registry=registry,
+        evals=EvalService(db, engine, registry, directory.ready_ref),
     )
     metrics.watch_services(state.usage, directory)
 
@@ -180,6 +183,7 @@ async def _stop_services(state: AppState, db_engine: Engine) -> None:
     # NOTE: in this order: nothing new is registered or refreshed, then the usage of
     # every finished request reaches the database (or the durable spool).
     await state.directory.stop()
+    await state.evals.stop()
     await state.registry.stop()
     await asyncio.to_thread(state.usage.close)
     await state.limiter.close()

@@ -195,6 +195,38 @@ class AdapterVersion(Base):
     adapter: Mapped[Adapter] = relationship(back_populates="versions")
 
 
+class EvalStatus(enum.StrEnum):
+    RUNNING = "running"
+    DONE = "done"
+    FAILED = "failed"
+
+
+class AdapterEval(Base):
+    """An eval set run on one adapter version, the version before it and the base model
+    (app/evals/): the share of items each got right."""
+
+    __tablename__ = "adapter_evals"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    adapter_id: Mapped[str] = mapped_column(ForeignKey("adapters.id"), index=True)
+    version_id: Mapped[str] = mapped_column(ForeignKey("adapter_versions.id"), index=True)
+    version: Mapped[int] = mapped_column(Integer)
+    # The ready version before it, compared against; NULL: it is the first.
+    previous_version: Mapped[int | None] = mapped_column(Integer)
+    status: Mapped[str] = mapped_column(String(16), default=EvalStatus.RUNNING.value)
+    # sha256 of the eval set file: scores compare only between runs of one set.
+    set_sha256: Mapped[str] = mapped_column(String(64))
+    num_items: Mapped[int] = mapped_column(Integer)
+    # Items scored so far, over every model run (num_items x the models).
+    done_items: Mapped[int] = mapped_column(Integer, default=0)
+    # {"version": 0.9, "previous": 0.7 or null, "base": 0.2}, once done.
+    scores: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    error: Mapped[str | None] = mapped_column(String(1024))
+    created_by: Mapped[str | None] = mapped_column(String(64))
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    finished_at: Mapped[datetime | None] = mapped_column()
+
+
 class UsageRecord(Base):
     """One per API request (all its choices); written at least once, counted once."""
 

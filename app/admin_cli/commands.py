@@ -5,13 +5,16 @@ else on stdout, so that its output can be piped."""
 from __future__ import annotations
 
 import json
+import sys
+import time
 from collections.abc import Sequence
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import click
 
-from app.admin_cli.client import AdminContext
+from app.admin_cli.client import AdminCliError, AdminContext, BadInput
 from app.admin_cli.push import push
 from app.admin_cli.report import format_version
 
@@ -206,6 +209,56 @@ def adapters_gc(ctx: AdminContext, as_json: bool) -> None:
     click.echo(f"Removed {len(body['removed'])} unused adapter file set(s).", err=True)
     for digest in body["removed"]:
         click.echo(digest)
+
+
+@adapters.command("eval")
+@click.argument("name")
+@click.option("--data", "data_path", required=True,
+              type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="The eval set: JSONL, one item per line (README, 'Evaluating an adapter').")
+@click.option("--version", type=click.IntRange(min=1), default=None,
+              help="The version to score; default: the latest ready one.")
+@click.option("--tenant", default=None, help="The owner (id or name); default: shared.")
+@click.option("--json", "as_json", is_flag=True, help="The finished eval's JSON.")
+@click.pass_obj
+def adapters_eval(ctx: AdminContext, name: str, data_path: Path, version: int | None,
+                  tenant: str | None, as_json: bool) -> None:
+    """Score an eval set on NAME's version, the version before it and the base model, on
+    the server (at the batch tier's priority); show the progress, then the scores."""
+    with ctx.client(timeout_s=60.0) as client:
+        owner = "shared" if tenant is None else client.resolve_tenant(tenant).id
+        listed = client.json("GET", "/admin/adapters", params={"tenant_id": owner})["data"]
+        found = [a for a in listed if a["name"] == name]
+        if not found:
+            whose = "the shared adapters" if tenant is None else f"tenant {tenant}"
+            raise BadInput(f"no adapter '{name}' among {whose} (see `loraplex admin "
+                           "adapters list`).")
+        adapter_id = found[0]["id"]
+        body = client.json(
+            "POST", f"/admin/adapters/{adapter_id}/evals", ok=(202,),
+            params={} if version is None else {"version": version},
+            content=data_path.read_bytes(), headers={"Content-Type": "application/jsonl"},
+        )
+        path = f"/admin/adapters/{adapter_id}/evals/{body['id']}"
+        with click.progressbar(length=body["total_items"], label=f"{name} v{body['version']}",
+                               file=sys.stderr) as bar:
+            shown = 0
+            while body["status"] == "running":
+                time.sleep(0.5)
+                body = client.json("GET", path)
+                bar.update(body["done_items"] - shown)
+                shown = body["done_items"]
+    if as_json:
+        _echo_json(body)
+        return
+    if body["status"] == "failed":
+        raise AdminCliError(f"the eval failed: {body['error']}")
+    scores = body["scores"]
+    rows = [(f"v{body['version']}", scores["version"])]
+    if body["previous_version"] is not None:
+        rows.append((f"v{body['previous_version']} (previous)", scores["previous"]))
+    rows.append(("base model", scores["base"]))
+    _echo_table(("MODEL", "SCORE"), [(m, f"{s:.3f}") for m, s in rows])
 
 
 # ------------------------------------------------------------------------------ usage

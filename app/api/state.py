@@ -15,6 +15,7 @@ from engine.client import EngineClient
 
 if TYPE_CHECKING:
     from app.directory import Directory
+    from app.evals.service import EvalService
     from app.metering.recorder import UsageRecorder
     from app.quotas.base import QuotaLimiter
     from app.registry.service import AdapterRegistry
@@ -31,6 +32,7 @@ class AppState:
     limiter: QuotaLimiter
     usage: UsageRecorder
     registry: AdapterRegistry
+    evals: EvalService
     # `created` of the model cards: when this server started.
     started_at: int = field(default_factory=lambda: int(time.time()))
     # Set on SIGTERM: /ready answers 503 and new generation requests are refused.

@@ -65,7 +65,7 @@ async def api(
     app.include_router(router)
     app.state.loraplex = AppState(
         engine=engine, settings=settings, metrics=metrics, db=db, directory=directory,
-        limiter=None, usage=None, registry=None,  # type: ignore[arg-type]
+        limiter=None, usage=None, registry=None, evals=None,  # type: ignore[arg-type]
     )
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as client:

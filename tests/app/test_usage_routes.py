@@ -63,6 +63,7 @@ def build_app(db: sessionmaker[Session], directory: Directory, settings: Setting
     app.state.loraplex = AppState(
         engine=engine, settings=settings, metrics=metrics, db=db, directory=directory,
         limiter=cast(Any, None), usage=cast(Any, None), registry=cast(Any, None),
+        evals=cast(Any, None),
     )
     install_exception_handlers(app)
     app.add_middleware(RequestContextMiddleware, max_body_bytes=settings.max_body_bytes,

@@ -28,6 +28,8 @@ from app.api.schemas.adapters import (
     AdapterUpload,
     AdapterUploadOut,
     AdminAdapterUpload,
+    EvalList,
+    EvalOut,
     OrphanCollection,
 )
 from app.api.state import AppState, AppStateDep
@@ -212,6 +214,52 @@ async def admin_delete(
     )
     await _refresh(state)
     return AdapterOut.of(view)
+
+
+# ------------------------------------------------------------------------------ evals
+
+# An eval set's body (JSONL, app/evals/dataset.py) is read whole: the general body limit
+# (LORAPLEX_MAX_BODY_BYTES) and the set's own (4 MiB) bound it.
+EVAL_SET_BODY = {"requestBody": {"required": True, "content": {
+    "application/jsonl": {"schema": {"type": "string"}},
+    "application/x-ndjson": {"schema": {"type": "string"}},
+}}}
+
+
+@router.post(
+    ADMIN_ADAPTERS + "/{adapter_id}/evals", response_model=EvalOut, status_code=202,
+    responses=error_responses(400, 404, 409), openapi_extra=EVAL_SET_BODY,
+)
+async def admin_start_eval(
+    adapter_id: str, request: Request, principal: AdminPrincipal, state: AppStateDep,
+    version: int | None = None,
+) -> EvalOut:
+    """Score an eval set (the body: JSONL, one item per line) on a version of the adapter
+    (default: its latest ready one), the ready version before it and the base model, in
+    the background at the batch tier's priority. 202 with the eval; GET it for progress."""
+    data = await request.body()
+    view = await state.evals.start(adapter_id, data, version=version,
+                                   by=audit_context(request, principal))
+    return EvalOut.of(view)
+
+
+@router.get(ADMIN_ADAPTERS + "/{adapter_id}/evals", response_model=EvalList,
+            responses=error_responses(404))
+def admin_list_evals(adapter_id: str, principal: AdminPrincipal, state: AppStateDep
+                     ) -> EvalList:
+    """Every eval of the adapter, oldest first."""
+    return EvalList(data=[EvalOut.of(v) for v in state.evals.list_evals(adapter_id)])
+
+
+@router.get(ADMIN_ADAPTERS + "/{adapter_id}/evals/{eval_id}", response_model=EvalOut,
+            responses=error_responses(404))
+def admin_get_eval(adapter_id: str, eval_id: str, principal: AdminPrincipal,
+                   state: AppStateDep) -> EvalOut:
+    view = state.evals.get_eval(eval_id)
+    if view.adapter_id != adapter_id:
+        raise APIError(404, f"no eval {eval_id!r} of adapter {adapter_id!r}",
+                       code="not_found")
+    return EvalOut.of(view)
 
 
 # ----------------------------------------------------------------------------- tenant

@@ -9,6 +9,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from app.evals.service import EvalView
 from app.registry.views import AdapterView, VersionView
 from app.tables import AdapterStatus
 
@@ -133,3 +134,42 @@ class OrphanCollection(BaseModel):
     """POST /admin/adapters/gc: stored adapter files no version uses, removed."""
 
     removed: list[str]  # their content addresses (sha256)
+
+
+class EvalOut(BaseModel):
+    """An eval of an adapter version (app/evals/): the share of the set's items the
+    version, the ready version before it and the base model got right."""
+
+    object: Literal["adapter.eval"] = "adapter.eval"
+    id: str
+    adapter_id: str
+    version: int
+    previous_version: int | None
+    status: Literal["running", "done", "failed"]
+    set_sha256: str
+    num_items: int
+    # Progress: items scored over every model (num_items x 2 or 3).
+    done_items: int
+    total_items: int
+    # {"version", "previous", "base"}: each a fraction from 0 to 1, null until scored.
+    scores: dict[str, float | None]
+    error: str | None
+    created_by: str | None
+    created_at: int
+    finished_at: int | None
+
+    @classmethod
+    def of(cls, view: EvalView) -> EvalOut:
+        return cls(
+            id=view.id, adapter_id=view.adapter_id, version=view.version,
+            previous_version=view.previous_version, status=view.status.value,
+            set_sha256=view.set_sha256, num_items=view.num_items,
+            done_items=view.done_items, total_items=view.total_items, scores=view.scores,
+            error=view.error, created_by=view.created_by, created_at=_unix(view.created_at),
+            finished_at=None if view.finished_at is None else _unix(view.finished_at),
+        )
+
+
+class EvalList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[EvalOut]

@@ -1,0 +1,254 @@
+"""Evals of adapter versions: started through the admin API (or `loraplex admin adapters
+eval`), run in the background on this replica's engine, their progress and scores kept
+with the version in the database.
+
+One eval scores an eval set (app/evals/dataset.py) on the version asked for (default:
+the latest ready one), on the ready version before it, and on the base model. At most
+one eval runs per adapter, and at most MAX_RUNNING_PER_OWNER per tenant (shared
+adapters count as one owner); a stop or a failed engine request ends it as failed, with
+the reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session, sessionmaker
+
+from app.audit import AuditContext
+from app.core.errors import Conflict, InvalidInput, NotFound
+from app.core.principal import AdapterRef
+from app.db import session_scope
+from app.evals.dataset import EvalSet, EvalSetError, parse_eval_set
+from app.evals.runner import Target, score
+from app.registry.service import AdapterRegistry
+from app.registry.views import SHARED_OWNER, AdapterView, VersionView
+from app.tables import AdapterEval, AdapterStatus, EvalStatus, new_id, utcnow
+from engine.client import EngineClient
+
+log = logging.getLogger("loraplex.evals")
+
+MAX_RUNNING_PER_OWNER = 2
+# A "running" eval this old is taken for one whose server died: it no longer blocks.
+STALE_AFTER = timedelta(hours=6)
+# Progress reaches the database at most this often (other replicas and the CLI read it).
+PROGRESS_INTERVAL_S = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class EvalView:
+    id: str
+    adapter_id: str
+    version: int
+    previous_version: int | None
+    status: EvalStatus
+    set_sha256: str
+    num_items: int
+    done_items: int
+    total_items: int  # num_items x the models scored
+    scores: dict[str, float | None]
+    error: str | None
+    created_by: str | None
+    created_at: datetime
+    finished_at: datetime | None
+
+    @classmethod
+    def of(cls, row: AdapterEval) -> EvalView:
+        models = 2 + (row.previous_version is not None)
+        return cls(
+            id=row.id, adapter_id=row.adapter_id, version=row.version,
+            previous_version=row.previous_version, status=EvalStatus(row.status),
+            set_sha256=row.set_sha256, num_items=row.num_items, done_items=row.done_items,
+            total_items=row.num_items * models, scores=dict(row.scores or {}),
+            error=row.error, created_by=row.created_by, created_at=row.created_at,
+            finished_at=row.finished_at,
+        )
+
+
+class EvalService:
+    def __init__(
+        self,
+        db: sessionmaker[Session],
+        engine: EngineClient,
+        registry: AdapterRegistry,
+        ready_ref: Callable[[str], AdapterRef | None],
+    ) -> None:
+        """ready_ref: version id -> the ready version as this replica's directory has it."""
+        self.db = db
+        self.engine = engine
+        self.registry = registry
+        self._ready_ref = ready_ref
+        self._tasks: dict[str, asyncio.Task[None]] = {}  # eval id -> its run
+
+    # -- starting ------------------------------------------------------------------------
+
+    async def start(
+        self, adapter_id: str, data: bytes, *, version: int | None, by: AuditContext,
+        owner: str | None = None,
+    ) -> EvalView:
+        """Check and record the eval, then run it in the background. owner: a tenant's
+        id to restrict to its own adapters (None: any, as admins)."""
+        try:
+            eval_set = await asyncio.to_thread(parse_eval_set, data)
+        except EvalSetError as e:
+            raise InvalidInput(str(e), param="file", code="invalid_eval_set") from None
+        adapter = await asyncio.to_thread(self.registry.get_adapter, adapter_id, owner=owner)
+        target, previous = _versions(adapter, version)
+        refs = [self._ready_ref(v.id) for v in (target, previous) if v is not None]
+        if any(ref is None for ref in refs):
+            raise Conflict(f"version {target.version} of '{adapter.name}' is not served on "
+                           "this replica yet; retry shortly", code="adapter_unavailable")
+        row = await asyncio.to_thread(self._record, adapter, target, previous, eval_set, by)
+        self._tasks[row.id] = asyncio.get_running_loop().create_task(
+            self._run(row.id, eval_set, [r for r in refs if r is not None], previous is not None),
+            name=f"eval-{row.id}",
+        )
+        return EvalView.of(row)
+
+    def _record(self, adapter: AdapterView, target: VersionView,
+                previous: VersionView | None, eval_set: EvalSet,
+                by: AuditContext) -> AdapterEval:
+        owner_adapters = [a.id for a in self.registry.list_adapters(
+            owner=adapter.tenant_id or SHARED_OWNER)]
+        with session_scope(self.db) as s:
+            running = []
+            for row in s.scalars(select(AdapterEval).where(
+                AdapterEval.adapter_id.in_(owner_adapters),
+                AdapterEval.status == EvalStatus.RUNNING.value,
+            )):
+                if row.created_at < utcnow() - STALE_AFTER:
+                    row.status, row.error = EvalStatus.FAILED.value, "abandoned"
+                    row.finished_at = utcnow()
+                else:
+                    running.append(row)
+            if any(r.adapter_id == adapter.id for r in running):
+                raise Conflict(f"an eval of '{adapter.name}' is already running; wait for it",
+                               code="eval_running")
+            if len(running) >= MAX_RUNNING_PER_OWNER:
+                raise Conflict(f"{MAX_RUNNING_PER_OWNER} evals of this owner's adapters are "
+                               "already running; wait for one", code="eval_running")
+            row = AdapterEval(
+                id=new_id("evl"), adapter_id=adapter.id, version_id=target.id,
+                version=target.version,
+                previous_version=None if previous is None else previous.version,
+                status=EvalStatus.RUNNING.value, set_sha256=eval_set.sha256,
+                num_items=len(eval_set.items), done_items=0, scores={},
+                created_by=by.actor,
+            )
+            s.add(row)
+            s.flush()
+            s.expunge(row)
+            return row
+
+    # -- running -------------------------------------------------------------------------
+
+    async def _run(self, eval_id: str, eval_set: EvalSet, refs: list[AdapterRef],
+                   has_previous: bool) -> None:
+        targets = [Target("version", refs[0].engine_name)]
+        if has_previous:
+            targets.append(Target("previous", refs[1].engine_name))
+        targets.append(Target("base", None))
+        done = 0
+        last_write = 0.0
+
+        def on_item() -> None:
+            nonlocal done, last_write
+            done += 1
+            if time.monotonic() - last_write >= PROGRESS_INTERVAL_S:
+                last_write = time.monotonic()
+                self._write(eval_id, done_items=done)
+
+        scores: dict[str, float | None] = {"version": None, "previous": None, "base": None}
+        try:
+            for target in targets:
+                if target.adapter is not None:
+                    reason = await self.registry.engine_sync.ensure_loaded(
+                        refs[0] if target.label == "version" else refs[1])
+                    if reason is not None:
+                        raise RuntimeError(f"{target.label}: {reason}")
+                scores[target.label] = round(
+                    await score(self.engine, eval_set.items, target, on_item=on_item), 6)
+        except asyncio.CancelledError:
+            await asyncio.to_thread(self._finish, eval_id, scores, done,
+                                    "the server stopped while the eval ran")
+            raise
+        except Exception as e:
+            log.warning("eval %s failed: %s", eval_id, e)
+            await asyncio.to_thread(self._finish, eval_id, scores, done, str(e)[:1000])
+        else:
+            await asyncio.to_thread(self._finish, eval_id, scores, done, None)
+        finally:
+            self._tasks.pop(eval_id, None)
+
+    def _write(self, eval_id: str, **fields: Any) -> None:
+        try:
+            with session_scope(self.db) as s:
+                row = s.get(AdapterEval, eval_id)
+                if row is not None:
+                    for name, value in fields.items():
+                        setattr(row, name, value)
+        except Exception:
+            log.warning("eval %s: progress not recorded", eval_id, exc_info=True)
+
+    def _finish(self, eval_id: str, scores: dict[str, float | None], done: int,
+                error: str | None) -> None:
+        self._write(
+            eval_id, scores=scores, done_items=done, error=error, finished_at=utcnow(),
+            status=(EvalStatus.FAILED if error else EvalStatus.DONE).value,
+        )
+
+    async def stop(self) -> None:
+        tasks = list(self._tasks.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def wait(self, eval_id: str) -> None:
+        """Until the eval running here ends (tests, the demo)."""
+        task = self._tasks.get(eval_id)
+        if task is not None:
+            await asyncio.gather(task, return_exceptions=True)
+
+    # -- reading -------------------------------------------------------------------------
+
+    def list_evals(self, adapter_id: str, *, owner: str | None = None) -> list[EvalView]:
+        self.registry.get_adapter(adapter_id, owner=owner)  # 404s as the adapter would
+        with session_scope(self.db) as s:
+            rows = s.scalars(select(AdapterEval).where(AdapterEval.adapter_id == adapter_id)
+                             .order_by(AdapterEval.created_at, AdapterEval.id))
+            return [EvalView.of(r) for r in rows]
+
+    def get_eval(self, eval_id: str, *, owner: str | None = None) -> EvalView:
+        with session_scope(self.db) as s:
+            row = s.get(AdapterEval, eval_id)
+            view = None if row is None else EvalView.of(row)
+        if view is None:
+            raise NotFound(f"no eval {eval_id!r}")
+        self.registry.get_adapter(view.adapter_id, owner=owner)
+        return view
+
+
+def _versions(adapter: AdapterView, version: int | None
+              ) -> tuple[VersionView, VersionView | None]:
+    """The version to score (default: the latest ready) and the ready one before it."""
+    ready = [v for v in adapter.versions if v.status == AdapterStatus.READY]
+    if not ready:
+        raise Conflict(f"'{adapter.name}' has no ready version to evaluate",
+                       code="no_ready_version")
+    if version is None:
+        target = ready[-1]
+    else:
+        found = [v for v in ready if v.version == version]
+        if not found:
+            raise InvalidInput(f"'{adapter.name}' has no ready version {version}",
+                               param="version")
+        target = found[0]
+    before = [v for v in ready if v.version < target.version]
+    return target, before[-1] if before else None
