@@ -8,6 +8,7 @@ import asyncio
 from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 
+from admin_ui.charts import BarChart, bar_chart
 from admin_ui.deps import AuthedDep, CheckedForm, CsrfHeaderAuthed
 from admin_ui.web import PREFIX, render
 from admin_ui.writes import by
@@ -16,6 +17,8 @@ from app.api.deps import SessionDep
 from app.api.routes.adapters import upload_for_admin
 from app.api.schemas.adapters import AdapterUploadOut
 from app.api.state import AppStateDep
+from app.evals.service import EvalView
+from app.tables import EvalStatus
 
 router = APIRouter()
 
@@ -51,10 +54,24 @@ def adapter_page(adapter_id: str, request: Request, authed: AuthedDep, session: 
                  state: AppStateDep) -> HTMLResponse:
     view = state.registry.get_adapter(adapter_id)
     owner = None if view.tenant_id is None else crud.get_tenant(session, tenant_id=view.tenant_id)
+    evals = state.evals.list_evals(adapter_id)
     return render(request, "adapter.html", {
         "authed": authed, "active": "adapters", "title": f"Adapter {view.name}",
-        "adapter": view, "owner": owner,
+        "adapter": view, "owner": owner, "evals": list(reversed(evals)),
+        "eval_chart": eval_chart(evals),
     })
+
+
+def eval_chart(evals: list[EvalView]) -> BarChart | None:
+    """Each version's score in its latest finished eval, and the base model's in the
+    latest of all, in percent; None before any eval finished."""
+    done = [e for e in evals if e.status == EvalStatus.DONE]
+    if not done:
+        return None
+    latest = {e.version: e for e in done}  # oldest first: the last one wins
+    points = [(f"v{v}", round(100 * (latest[v].scores["version"] or 0))) for v in sorted(latest)]
+    points.append(("base", round(100 * (done[-1].scores["base"] or 0))))
+    return bar_chart("Eval score by version (the latest eval of each)", "%", points)
 
 
 @router.post(PREFIX + "/adapters/{adapter_id}/delete")

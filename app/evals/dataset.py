@@ -5,7 +5,8 @@ Two kinds of line, mixed freely:
 - `{"prompt": "...", "expected": "...", "match": "exact" | "contains" | "regex",
   "max_tokens": N}`: the model answers the prompt (a user message, through the chat
   template) greedily; the answer passes when it equals `expected` (both stripped of
-  surrounding whitespace), contains it, or fully matches it as a regular expression.
+  surrounding whitespace), contains it, or fully matches it as a regular expression
+  (`.` matching newlines too: answers run over several lines).
   `match` defaults to "exact", `max_tokens` to 64.
 - `{"prompt": "...", "choices": ["...", ...], "answer": i}`: the choice the model finds
   likeliest after the prompt (the sum of its tokens' logprobs, the prompt as plain text)
@@ -61,7 +62,7 @@ class GenerationItem:
         if self.match == "contains":
             return self.expected in answer
         try:
-            return regex.fullmatch(self.expected, answer.strip(),
+            return regex.fullmatch(self.expected, answer.strip(), flags=regex.DOTALL,
                                    timeout=REGEX_TIMEOUT_S) is not None
         except TimeoutError:
             return False

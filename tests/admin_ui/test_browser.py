@@ -255,6 +255,29 @@ def test_admin_journey(service: Service, context: BrowserContext) -> None:
     page.locator("#upload-report-link").click()
     expect(page.get_by_role("heading", level=1)).to_have_text("Adapter support-bot")
     expect(page.locator("#versions-table")).to_contain_text("q_proj, v_proj")
+    expect(page.locator("#evals")).to_be_visible()
+    assert page.locator("#eval-chart").count() == 0  # no eval yet
+
+    # An eval of the version (started through the admin API), on the adapter's page:
+    # one item every answer passes, one none does.
+    items = ({"prompt": "Say hi", "expected": ".*", "match": "regex"},
+             {"prompt": "Say hi", "expected": "never this"})
+    adapter_id = page.url.rsplit("/", 1)[-1]
+    with service.api() as admin:
+        started = admin.post(f"/admin/adapters/{adapter_id}/evals",
+                             content="\n".join(json.dumps(i) for i in items),
+                             headers={"Content-Type": "application/jsonl"})
+        assert started.status_code == 202, started.text
+        deadline = time.monotonic() + 30
+        while admin.get(f"/admin/adapters/{adapter_id}/evals/{started.json()['id']}"
+                        ).json()["status"] == "running":
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+    page.reload()
+    evals = page.locator("#evals-table")
+    expect(evals).to_contain_text("done")
+    expect(evals).to_contain_text("50.0%")
+    expect(page.locator("#eval-chart rect.bar")).to_have_count(2)  # v1 and the base model
     _shot(page, "adapter")
 
     # The playground: base model and adapter side by side, for the tenant.

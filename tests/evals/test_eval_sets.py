@@ -76,6 +76,7 @@ def test_matching() -> None:
     assert GenerationItem("p", "Paris", "contains").passes("It is Paris.")
     assert GenerationItem("p", r"\d+ apples", "regex").passes(" 12 apples ")
     assert not GenerationItem("p", r"\d+", "regex").passes("12 apples")
+    assert GenerationItem("p", r"Dear .*, thanks", "regex").passes("Dear Ann,\nBob, thanks")
 
 
 def test_a_catastrophic_pattern_fails_its_item_in_bounded_time() -> None:
