@@ -87,13 +87,41 @@ async def _still_waiting(task: asyncio.Task[httpx.Response]) -> None:
     assert not task.done(), task.result().text
 
 
-async def test_a_request_waits_for_the_version_its_replica_is_loading(first: Server) -> None:
+@asynccontextmanager
+async def request_waiting_for_a_load(
+    first: Server,
+) -> AsyncIterator[tuple[GatedEngine, httpx.AsyncClient, asyncio.Task[httpx.Response],
+                         dict[str, Any]]]:
+    """A version of "bot" uploaded on the first replica; a second replica whose engine
+    holds its load at the gate; a request for it there, still waiting."""
     version = await _uploaded(first)
     engine = GatedEngine(max_adapter_bytes=MiB)
     async with second_replica(first, engine) as client:
         await asyncio.wait_for(engine.loading.wait(), 10)
         request = _complete(client, first)
         await _still_waiting(request)
+        yield engine, client, request, version
+
+
+async def _delete_and_see_it_gone(first: Server, second: httpx.AsyncClient,
+                                  version: dict[str, Any]) -> None:
+    """Delete the adapter on the first replica; wait until the second's directory has
+    it no more."""
+    deleted = await first.client.delete(f"/admin/adapters/{version['adapter_id']}",
+                                        headers=first.auth("admin"))
+    assert deleted.status_code == 200, deleted.text
+    listed = ["bot"]
+    for _ in range(100):
+        models = await second.get("/v1/models", headers=first.auth("a-reader"))
+        listed = [m["id"] for m in models.json()["data"]]
+        if "bot" not in listed:
+            break
+        await asyncio.sleep(0.05)
+    assert "bot" not in listed
+
+
+async def test_a_request_waits_for_the_version_its_replica_is_loading(first: Server) -> None:
+    async with request_waiting_for_a_load(first) as (engine, _client, request, version):
         engine.gate.set()
         done = await asyncio.wait_for(request, 10)
         assert done.status_code == 200, done.text
@@ -123,20 +151,8 @@ async def test_a_request_loads_its_version_ahead_of_the_queue(first: Server) -> 
 async def test_a_version_deleted_after_its_load_began_is_not_left_loaded(
     first: Server,
 ) -> None:
-    version = await _uploaded(first)
-    engine = GatedEngine(max_adapter_bytes=MiB)
-    async with second_replica(first, engine) as client:
-        await asyncio.wait_for(engine.loading.wait(), 10)
-        request = _complete(client, first)
-        await _still_waiting(request)
-        deleted = await first.client.delete(f"/admin/adapters/{version['adapter_id']}",
-                                            headers=first.auth("admin"))
-        assert deleted.status_code == 200, deleted.text
-        for _ in range(100):  # the second replica's directory sees the delete
-            models = await client.get("/v1/models", headers=first.auth("a-reader"))
-            if "bot" not in [m["id"] for m in models.json()["data"]]:
-                break
-            await asyncio.sleep(0.05)
+    async with request_waiting_for_a_load(first) as (engine, client, request, version):
+        await _delete_and_see_it_gone(first, client, version)
         engine.gate.set()  # the load succeeds, for a version no longer ready
         gone = await asyncio.wait_for(request, 10)
         assert gone.status_code == 404, gone.text
@@ -148,12 +164,7 @@ async def test_a_version_deleted_after_its_load_began_is_not_left_loaded(
 
 
 async def test_a_load_that_fails_is_a_retryable_503_naming_why(first: Server) -> None:
-    await _uploaded(first)
-    engine = GatedEngine(max_adapter_bytes=MiB)
-    async with second_replica(first, engine) as client:
-        await asyncio.wait_for(engine.loading.wait(), 10)
-        request = _complete(client, first)
-        await _still_waiting(request)
+    async with request_waiting_for_a_load(first) as (engine, _client, request, _):
         engine.refusal = "the disk under the adapter store is gone"
         engine.gate.set()
         refused = await asyncio.wait_for(request, 10)
@@ -187,23 +198,8 @@ async def test_a_load_that_runs_past_the_wait_is_a_retryable_503(
 
 
 async def test_a_version_deleted_while_it_loads_is_a_404(first: Server) -> None:
-    version = await _uploaded(first)
-    engine = GatedEngine(max_adapter_bytes=MiB)
-    async with second_replica(first, engine) as client:
-        await asyncio.wait_for(engine.loading.wait(), 10)
-        request = _complete(client, first)
-        await _still_waiting(request)
-        deleted = await first.client.delete(f"/admin/adapters/{version['adapter_id']}",
-                                            headers=first.auth("admin"))
-        assert deleted.status_code == 200, deleted.text
-        listed = ["bot"]
-        for _ in range(100):  # the second replica's directory sees the delete
-            models = await client.get("/v1/models", headers=first.auth("a-reader"))
-            listed = [m["id"] for m in models.json()["data"]]
-            if "bot" not in listed:
-                break
-            await asyncio.sleep(0.05)
-        assert "bot" not in listed
+    async with request_waiting_for_a_load(first) as (engine, client, request, version):
+        await _delete_and_see_it_gone(first, client, version)
         engine.refusal = "its files were removed"
         engine.gate.set()
         gone = await asyncio.wait_for(request, 10)

@@ -5,9 +5,7 @@ weights; and what the API refuses."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -15,25 +13,12 @@ import openai
 import pytest
 import torch
 
-from app.core.config import Settings
-from app.main import create_app
-from app.server_options import preload_adapters
-from engine.async_engine import AsyncEngine
-from engine.config import EngineConfig
 from tests.utils.hf_oracle import hf_model, peft_model
-from tests.utils.live_server import serve_in_thread
 from tests.utils.peft_adapters import make_peft_adapter
 from tests.utils.tiny_models import random_prompt
+from tests.utils.tiny_server import Served, serve_with_adapter
 
 TOLERANCE = 1e-4
-
-
-@dataclass
-class Served:
-    base_url: str
-    model_dir: Path
-    model_id: str
-    adapter: Path
 
 
 @pytest.fixture(scope="module")
@@ -42,14 +27,8 @@ def served(tiny_model_factory: Callable[[str], Path],
     base = tiny_model_factory("llama_gqa")
     adapter = make_peft_adapter(base, tmp_path_factory.mktemp("plp") / "tuned", r=8, alpha=16,
                                 targets=("q_proj", "v_proj", "o_proj"), seed=31)
-    engine = AsyncEngine(EngineConfig(model=str(base), max_loras=2, max_lora_rank=8))
-    engine.start_sync()
-    assert asyncio.run(preload_adapters(engine, {"tuned": adapter})) == []
-    try:
-        with serve_in_thread(create_app(engine, Settings(no_auth=True))) as url:
-            yield Served(url, base, engine.model_id, adapter)
-    finally:
-        asyncio.run(engine.shutdown())
+    with serve_with_adapter(base, adapter) as served:
+        yield served
 
 
 @pytest.fixture

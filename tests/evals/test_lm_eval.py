@@ -6,22 +6,15 @@ weights: the same per-item log-likelihoods within 1e-3, the same answers and sco
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from app.core.config import Settings
-from app.main import create_app
-from app.server_options import preload_adapters
-from engine.async_engine import AsyncEngine
-from engine.config import EngineConfig
 from tests.conftest import REPO_ROOT
-from tests.utils.live_server import serve_in_thread
 from tests.utils.peft_adapters import make_peft_adapter
+from tests.utils.tiny_server import Served, serve_with_adapter
 
 pytestmark = pytest.mark.slow
 
@@ -30,28 +23,14 @@ TASKS = ["loraplex_colors", "loraplex_capitals"]
 LOGLIKELIHOOD_TOLERANCE = 1e-3
 
 
-@dataclass
-class Served:
-    base_url: str
-    model_dir: Path
-    model_id: str
-    adapter: Path
-
-
 @pytest.fixture(scope="module")
 def served(tiny_model_factory: Callable[[str], Path],
            tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     base = tiny_model_factory("llama_gqa")
     adapter = make_peft_adapter(base, tmp_path_factory.mktemp("lm_eval") / "tuned", r=8,
                                 alpha=32, targets=("q_proj", "v_proj", "o_proj"), seed=41)
-    engine = AsyncEngine(EngineConfig(model=str(base), max_loras=2, max_lora_rank=8))
-    engine.start_sync()
-    assert asyncio.run(preload_adapters(engine, {"tuned": adapter})) == []
-    try:
-        with serve_in_thread(create_app(engine, Settings(no_auth=True))) as url:
-            yield Served(url, base, engine.model_id, adapter)
-    finally:
-        asyncio.run(engine.shutdown())
+    with serve_with_adapter(base, adapter) as served:
+        yield served
 
 
 def evaluate(model: str, model_args: str) -> dict[str, Any]:
