@@ -8,6 +8,7 @@ from typing import Any
 
 import click
 
+from bench.evals import EvalImpactOptions
 from bench.fairness import FairnessOptions, run_fairness
 from bench.gateway.run import GatewayOptions, run_gateway
 from bench.grammar.run import GrammarOptions
@@ -119,6 +120,16 @@ def lora_cold_ttft(options: LoRABenchOptions) -> None:
     from bench.lora import run_cold_ttft
 
     run_cold_ttft(options)
+
+
+@bench.command("eval-impact")
+@options_command(EvalImpactOptions)
+def eval_impact(options: EvalImpactOptions) -> None:
+    """Short chat requests' time to first token without an adapter eval and while one
+    runs (p99 ratio)."""
+    from bench.evals import run_eval_impact
+
+    run_eval_impact(options)
 
 
 @bench.command("serve")
