@@ -95,11 +95,11 @@ class EvalService:
     ) -> EvalView:
         """Check and record the eval, then run it in the background. owner: a tenant's
         id to restrict to its own adapters (None: any, as admins)."""
+        adapter = await asyncio.to_thread(self.registry.get_adapter, adapter_id, owner=owner)
         try:
             eval_set = await asyncio.to_thread(parse_eval_set, data)
         except EvalSetError as e:
-            raise InvalidInput(str(e), param="file", code="invalid_eval_set") from None
-        adapter = await asyncio.to_thread(self.registry.get_adapter, adapter_id, owner=owner)
+            raise InvalidInput(str(e), code="invalid_eval_set") from None
         target, previous = _versions(adapter, version)
         refs = [self._ready_ref(v.id) for v in (target, previous) if v is not None]
         if any(ref is None for ref in refs):

@@ -212,6 +212,14 @@ RULES: dict[str, Rule] = {
     "GET /admin/adapters/{adapter_id}": Rule(AD, 200, "/admin/adapters/{}", "adapter"),
     "DELETE /admin/adapters/{adapter_id}": Rule(AD, 200, "/admin/adapters/{}", "adapter",
                                                 fresh=True),
+    # (tests/evals/test_adapter_evals.py runs evals for real: here, an empty eval set is
+    # 400, an unknown eval 404.)
+    "POST /admin/adapters/{adapter_id}/evals": Rule(AD, 400, "/admin/adapters/{}/evals",
+                                                    "adapter"),
+    "GET /admin/adapters/{adapter_id}/evals": Rule(AD, 200, "/admin/adapters/{}/evals",
+                                                   "adapter"),
+    "GET /admin/adapters/{adapter_id}/evals/{eval_id}": Rule(
+        AD, 404, "/admin/adapters/{}/evals/evl_0000", "adapter"),
     # vLLM's dynamic LoRA calls (tests/app/test_dynamic_lora.py loads for real): an admin's
     # relative path is 400, an unknown name 404.
     "POST /v1/load_lora_adapter": Rule(AD, 400, "/v1/load_lora_adapter",
