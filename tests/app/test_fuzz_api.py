@@ -159,6 +159,13 @@ def _upload(admin: httpx.Client, key: str, name: str, adapter_dir: Path, path: s
 # NOTE: loaded at collection, not from a fixture: schemathesis.pytest.from_fixture does
 # not run under this pytest. The served /openapi.json is the same document
 # (tests/app/test_openapi_document.py).
+@schemathesis.serializer("application/jsonl", "application/x-ndjson")
+def _jsonl(ctx: Any, value: Any) -> bytes:
+    """An eval set's body (POST /admin/adapters/{id}/evals): its text as it is; a value
+    the fuzzer bent out of the schema (not a string), as JSON."""
+    return value.encode() if isinstance(value, str) else json.dumps(value).encode()
+
+
 schema = schemathesis.openapi.from_dict(openapi_document())
 
 
