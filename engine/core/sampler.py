@@ -295,11 +295,17 @@ def apply_penalties(logits: Tensor, requests: list[Request], rows: list[int]) ->
     return out
 
 
+def _log_probs(logits: Tensor) -> Tensor:
+    """log-softmax of raw logits, as reported: a NaN logit never wins, and every value is
+    floored at MIN_LOGPROB (JSON has no -Infinity)."""
+    logprobs = torch.log_softmax(logits.nan_to_num(nan=-torch.inf), dim=-1)
+    return logprobs.nan_to_num_(nan=MIN_LOGPROB).clamp_(min=MIN_LOGPROB)
+
+
 def prompt_token_logprobs(logits: Tensor, targets: list[int], k: int) -> list[TokenLogprob]:
     """For rows of prompt positions: the logprob and rank of the prompt token that follows
     each (`targets`) under the model's distribution, and the top-k alternatives."""
-    logprobs = torch.log_softmax(logits.nan_to_num(nan=-torch.inf), dim=-1)
-    logprobs.nan_to_num_(nan=MIN_LOGPROB).clamp_(min=MIN_LOGPROB)
+    logprobs = _log_probs(logits)
     index = torch.tensor(targets, device=logits.device)[:, None]
     chosen = logprobs.gather(1, index)
     ranks = (logprobs > chosen).sum(dim=1).add_(1).tolist()
@@ -331,9 +337,7 @@ def compute_logprobs(
         return result
     device = logits.device
     index = torch.tensor(rows, device=device)
-    selected = logits[index].nan_to_num(nan=-torch.inf, neginf=-torch.inf)  # [R, V]
-    logprobs = torch.log_softmax(selected, dim=-1).nan_to_num_(nan=MIN_LOGPROB)
-    logprobs.clamp_(min=MIN_LOGPROB)
+    logprobs = _log_probs(logits[index])  # [R, V]
     chosen_ids = torch.tensor([token_ids[i] for i in rows], device=device)
     chosen = logprobs.gather(1, chosen_ids[:, None]).squeeze(1).tolist()
     num_top = min(max(params[i].logprobs or 0 for i in rows), logits.shape[1])
