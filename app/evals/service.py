@@ -30,7 +30,7 @@ from app.evals.dataset import EvalSet, EvalSetError, parse_eval_set
 from app.evals.runner import Target, score
 from app.registry.service import AdapterRegistry
 from app.registry.views import SHARED_OWNER, AdapterView, VersionView
-from app.tables import AdapterEval, AdapterStatus, EvalStatus, new_id, utcnow
+from app.tables import Adapter, AdapterEval, AdapterStatus, EvalStatus, new_id, utcnow
 from engine.client import EngineClient
 
 log = logging.getLogger("loraplex.evals")
@@ -115,12 +115,10 @@ class EvalService:
     def _record(self, adapter: AdapterView, target: VersionView,
                 previous: VersionView | None, eval_set: EvalSet,
                 by: AuditContext) -> AdapterEval:
-        owner_adapters = [a.id for a in self.registry.list_adapters(
-            owner=adapter.tenant_id or SHARED_OWNER)]
         with session_scope(self.db) as s:
             running = []
-            for row in s.scalars(select(AdapterEval).where(
-                AdapterEval.adapter_id.in_(owner_adapters),
+            for row in s.scalars(select(AdapterEval).join(Adapter).where(
+                Adapter.owner == (adapter.tenant_id or SHARED_OWNER),
                 AdapterEval.status == EvalStatus.RUNNING.value,
             )):
                 if row.created_at < utcnow() - STALE_AFTER:
