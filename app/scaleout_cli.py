@@ -153,7 +153,7 @@ async def serve_worker(
     identity = make_identity(
         worker_id=worker_id,
         url=advertise_url,
-        device=str(engine.core.runner.device),
+        device=engine.device,
         mig_profile=settings.mig_profile,
         dedicated_tenants=dedicated_tenants,
         preloaded_adapters=tuple(n for n in loras or {} if n not in refused),

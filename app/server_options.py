@@ -29,6 +29,7 @@ from engine.models.config import ModelLoadError
 
 if TYPE_CHECKING:
     from engine.async_engine import AsyncEngine
+    from engine.core_process import ProcessEngine
 
 logger = logging.getLogger("loraplex")
 
@@ -262,6 +263,11 @@ ENGINE_OPTIONS: dict[str, dict[str, Any]] = {
              "max_position_embeddings, which it may not exceed)."),
     "--block-size": dict(default=16, show_default=True, type=click.IntRange(min=1)),
     "--enable-prefix-caching/--no-enable-prefix-caching": dict(default=True, show_default=True),
+    "--engine-process/--no-engine-process": dict(
+        default=False, show_default=True, envvar="LORAPLEX_ENGINE_PROCESS",
+        help="Step the engine in a process of its own, apart from the API server's event "
+             "loop (default: a thread of the server's process). A crash of the engine "
+             "process fails its requests and drains the server instead of killing it."),
     "--fairness": dict(default="vtc", show_default=True, type=click.Choice(["vtc", "fcfs"]),
                        help="Order within a priority: vtc (fair share per tenant) or fcfs "
                             "(arrival order)."),
@@ -294,11 +300,13 @@ def startup_errors() -> Iterator[None]:
         raise click.UsageError(" ".join(str(exc).split())) from exc
 
 
-async def start_engine(config: EngineConfig) -> AsyncEngine:
-    """The in-process engine of `serve`, `worker` and `demo`, its model loaded."""
+async def start_engine(config: EngineConfig) -> AsyncEngine | ProcessEngine:
+    """The engine of `serve`, `worker` and `demo`, its model loaded: in a process of its
+    own where `config.engine_process` asks for it, else stepped by a thread of this one."""
     from engine.async_engine import AsyncEngine  # imports torch: only when serving
+    from engine.core_process import ProcessEngine
 
-    engine = AsyncEngine(config)
+    engine = ProcessEngine(config) if config.engine_process else AsyncEngine(config)
     logger.info("loading model %s", config.model)
     with startup_errors():
         await engine.start()

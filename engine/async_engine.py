@@ -50,6 +50,79 @@ class _Stream:
     finished: bool = False
 
 
+class StreamTable:
+    """The callers' streams of an engine, by request id: filled from the thread that
+    steps (or hears from) the engine, read on each caller's event loop. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._streams: dict[str, _Stream] = {}
+
+    def __contains__(self, request_id: object) -> bool:
+        with self._lock:
+            return request_id in self._streams
+
+    def open(self, request_id: str) -> _Stream:
+        """A stream for `request_id` on the running loop; ValueError if one is open."""
+        stream = _Stream(loop=asyncio.get_running_loop())
+        with self._lock:
+            if request_id in self._streams:
+                raise ValueError(f"duplicate request id {request_id!r}")
+            self._streams[request_id] = stream
+        return stream
+
+    def close(self, request_id: str) -> None:
+        """Forget `request_id`'s stream: nothing more is delivered to it."""
+        with self._lock:
+            stream = self._streams.pop(request_id, None)
+            if stream is not None:
+                stream.finished = True
+
+    def deliver(self, outputs: list[RequestOutput], errors: dict[str, BaseException]) -> None:
+        """Hand each output and error to its stream (ids without one are dropped); a
+        finished output or an error closes the stream."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, Any]]] = {}
+        with self._lock:
+            for out in outputs:
+                stream = self._streams.get(out.request_id)
+                if stream is None:
+                    continue
+                if out.finished:
+                    stream.finished = True
+                    del self._streams[out.request_id]
+                by_loop.setdefault(stream.loop, []).append((stream, out))
+            for request_id, exc in errors.items():
+                stream = self._streams.pop(request_id, None)
+                if stream is not None:
+                    stream.finished = True
+                    by_loop.setdefault(stream.loop, []).append((stream, exc))
+        for loop, items in by_loop.items():
+            # A closed caller loop means nobody is listening any more.
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(_put_all, items)
+
+    def fail_all(self, exc: BaseException) -> None:
+        """End every open stream with `exc`."""
+        with self._lock:
+            streams = list(self._streams.values())
+            self._streams.clear()
+        for stream in streams:
+            stream.finished = True
+            with contextlib.suppress(RuntimeError):
+                stream.loop.call_soon_threadsafe(_put_all, [(stream, exc)])
+
+
+async def read_stream(stream: _Stream) -> AsyncIterator[RequestOutput]:
+    """A stream's outputs until the finished one; an error delivered to it is raised."""
+    while True:
+        item = await stream.queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        yield item
+        if item.finished:
+            return
+
+
 class AsyncEngine:
     """Thread-safe front of `EngineCore`.
 
@@ -65,7 +138,7 @@ class AsyncEngine:
         # With the compiled grammar of a structured request.
         self._pending_adds: list[tuple[EngineRequest, CompiledGrammar | None]] = []
         self._pending_aborts: list[str] = []
-        self._streams: dict[str, _Stream] = {}
+        self._streams = StreamTable()
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._failure: str | None = None  # why the engine stopped serving for good
@@ -132,6 +205,11 @@ class AsyncEngine:
     @property
     def model_id(self) -> str:
         return model_id_for(self.config.model, self.core.model_dir)
+
+    @property
+    def device(self) -> str:
+        """Where it computes: "cpu", "cuda:0", ..."""
+        return str(self.core.runner.device)
 
     @property
     def max_model_len(self) -> int:
@@ -260,25 +338,22 @@ class AsyncEngine:
             # Compiled on the compiler's threads, never the step thread; a refusal is
             # raised here, before anything is queued.
             grammar = await asyncio.wrap_future((await self._compiler()).compile_async(spec))
-        stream = _Stream(loop=asyncio.get_running_loop())
+        stream = self._streams.open(request_id)
         with self._lock:
+            dead = None
             if self._failure is not None:  # failed since the check above
-                raise EngineDeadError(f"engine failed: {self._failure}")
-            if self._stopping:
-                raise EngineDeadError("engine is shutting down")
-            if request_id in self._streams:
-                raise ValueError(f"duplicate request id {request_id!r}")
-            self._streams[request_id] = stream
-            self._pending_adds.append((request, grammar))
-            self._lock.notify_all()
+                dead = EngineDeadError(f"engine failed: {self._failure}")
+            elif self._stopping:
+                dead = EngineDeadError("engine is shutting down")
+            else:
+                self._pending_adds.append((request, grammar))
+                self._lock.notify_all()
+        if dead is not None:
+            self._streams.close(request_id)
+            raise dead
         try:
-            while True:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
+            async for item in read_stream(stream):
                 yield item
-                if item.finished:
-                    return
         finally:
             if not stream.finished:
                 self.abort(request_id)
@@ -300,10 +375,8 @@ class AsyncEngine:
         return [local_worker(self)]
 
     def abort(self, request_id: str) -> None:
+        self._streams.close(request_id)
         with self._lock:
-            stream = self._streams.pop(request_id, None)
-            if stream is not None:
-                stream.finished = True
             self._pending_aborts.append(request_id)
             self._lock.notify_all()
 
@@ -346,11 +419,11 @@ class AsyncEngine:
                     try:
                         core.add_request(request, grammar)
                     except ValueError as exc:
-                        self._deliver([], {request.request_id: exc})
+                        self._streams.deliver([], {request.request_id: exc})
                 result = core.step()
                 idle = result.idle
                 if result.outputs or result.failures:
-                    self._deliver(result.outputs, result.failures)
+                    self._streams.deliver(result.outputs, result.failures)
                 if result.fatal is not None:
                     self._fail_for_good(result.fatal)
                     return
@@ -364,35 +437,8 @@ class AsyncEngine:
             self._failure = reason
         self._fail_all(EngineDeadError(f"engine failed: {reason}"))
 
-    def _deliver(self, outputs: list[RequestOutput], errors: dict[str, BaseException]) -> None:
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, Any]]] = {}
-        with self._lock:
-            for out in outputs:
-                stream = self._streams.get(out.request_id)
-                if stream is None:
-                    continue
-                if out.finished:
-                    stream.finished = True
-                    del self._streams[out.request_id]
-                by_loop.setdefault(stream.loop, []).append((stream, out))
-            for request_id, exc in errors.items():
-                stream = self._streams.pop(request_id, None)
-                if stream is not None:
-                    stream.finished = True
-                    by_loop.setdefault(stream.loop, []).append((stream, exc))
-        for loop, items in by_loop.items():
-            # A closed caller loop means nobody is listening any more.
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(_put_all, items)
-
     def _fail_all(self, exc: BaseException) -> None:
-        with self._lock:
-            streams = list(self._streams.items())
-            self._streams.clear()
-        for _, stream in streams:
-            stream.finished = True
-            with contextlib.suppress(RuntimeError):
-                stream.loop.call_soon_threadsafe(_put_all, [(stream, exc)])
+        self._streams.fail_all(exc)
 
 
 def _put_all(items: list[tuple[_Stream, Any]]) -> None:

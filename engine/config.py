@@ -152,6 +152,9 @@ class EngineConfig:
     cpu_amx: bool = field(default_factory=lambda: env_switch("LORAPLEX_CPU_AMX"))
     kernel_cache_dir: Path | None = field(default_factory=env_cache_dir)
     data_dir: Path | None = None  # None: LORAPLEX_DATA_DIR or ./var
+    # Servers (serve, worker, demo): step the engine in a process of its own, apart from
+    # the event loop's (engine/core_process.py), instead of a thread of the server's.
+    engine_process: bool = False
     # Order of waiting requests within a priority (see engine/core/fairness.py): "vtc" serves
     # the tenant with the least weighted service first; "fcfs" serves by arrival.
     fairness: Literal["vtc", "fcfs"] = "vtc"

@@ -38,6 +38,17 @@ class RequestRejected(EngineError, ValueError):
         self.code = code
         self.param = param
 
+    def __reduce__(self) -> tuple[object, ...]:
+        # Keyword-only arguments: the default pickling would call cls(message) alone (the
+        # engine's own process sends its refusals to the server's, engine/core_process.py).
+        return (_rebuild_rejected, (type(self), str(self), self.code, self.param))
+
+
+def _rebuild_rejected(
+    cls: type[RequestRejected], message: str, code: str, param: str | None
+) -> RequestRejected:
+    return cls(message, code=code, param=param)
+
 
 class AdapterError(EngineError, ValueError):
     """An adapter that cannot be served; the message says why, for the operator."""

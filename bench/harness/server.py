@@ -205,19 +205,55 @@ def proc_status(pid: int) -> dict[str, str]:
     return {k: v.strip() for k, _, v in (line.partition(":") for line in lines)}
 
 
+def process_tree(pid: int) -> list[int]:
+    """`pid` and every live process below it (Linux: /proc/PID/task/*/children); a server
+    whose engine runs in a process of its own is both."""
+    found, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        found.append(current)
+        try:
+            tasks = os.listdir(f"/proc/{current}/task")
+        except OSError:
+            continue
+        for task in tasks:
+            try:
+                children = Path(f"/proc/{current}/task/{task}/children").read_text().split()
+            except OSError:
+                continue
+            todo.extend(int(child) for child in children)
+    return found
+
+
+def tree_rss_bytes(pid: int) -> int:
+    """VmRSS of `pid` and the processes below it, summed; OSError if `pid` is gone."""
+    total = int(proc_status(pid)["VmRSS"].split()[0]) * 1024  # kB
+    for child in process_tree(pid)[1:]:
+        with contextlib.suppress(OSError, KeyError):
+            total += int(proc_status(child)["VmRSS"].split()[0]) * 1024
+    return total
+
+
 @dataclass(slots=True)
 class ProcessMemory:
-    """Resident memory of a process, from /proc/PID/status (Linux), in MiB."""
+    """Resident memory of a process and those below it (an engine process), from
+    /proc/PID/status (Linux), in MiB."""
 
     pid: int
 
     def read(self) -> dict[str, int]:
-        """VmRSS (now) and VmHWM (the peak so far); {} where /proc has no such process."""
+        """VmRSS (now) and VmHWM (the peaks so far), each summed over the process tree;
+        {} where /proc has no such process."""
         try:
             status = proc_status(self.pid)
         except OSError:
             return {}
-        return {k: int(status[k].split()[0]) // 1024 for k in ("VmRSS", "VmHWM") if k in status}
+        statuses = [status]
+        for child in process_tree(self.pid)[1:]:
+            with contextlib.suppress(OSError):
+                statuses.append(proc_status(child))
+        return {k: sum(int(st[k].split()[0]) for st in statuses if k in st) // 1024
+                for k in ("VmRSS", "VmHWM") if k in status}
 
     def rss_mb(self) -> int | None:
         return self.read().get("VmRSS")

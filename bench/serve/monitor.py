@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.harness.server import proc_status
+from bench.harness.server import tree_rss_bytes
 
 KV_USAGE = "loraplex_kv_cache_usage_ratio"
 RUNNING = "loraplex_num_requests_running"
@@ -65,9 +65,9 @@ def parse_metrics(text: str) -> dict[str, float]:
 
 
 def read_rss_bytes(pid: int) -> int | None:
-    """VmRSS of a live process (Linux), None once it is gone."""
+    """VmRSS of a live process and the processes below it (Linux), None once it is gone."""
     try:
-        return int(proc_status(pid)["VmRSS"].split()[0]) * 1024  # kB
+        return tree_rss_bytes(pid)
     except (OSError, KeyError):
         return None
 

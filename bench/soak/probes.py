@@ -16,7 +16,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.pool import NullPool
 
 from app.quotas.redis_limiter import DEFAULT_MAX_CONNECTIONS as REDIS_POOL_SIZE
-from bench.harness.server import proc_status
+from bench.harness.server import proc_status, tree_rss_bytes
 
 # app.db.make_engine's pool: connections past it are closed when they are checked in, so
 # more than this many open at rest are checked out and never returned.
@@ -59,7 +59,7 @@ class Check:
 
 
 def rss_bytes(pid: int) -> int:
-    return int(proc_status(pid)["VmRSS"].split()[0]) * 1024
+    return tree_rss_bytes(pid)  # the engine's process too, where it has one
 
 
 def open_fds(pid: int) -> int:

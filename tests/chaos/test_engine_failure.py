@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import os
 import signal
 import time
 from collections.abc import Callable
@@ -19,6 +20,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import httpx
+import pytest
 
 from engine.client import WORKER_HEADER
 from engine.core.faults import FAULTS_ENV
@@ -117,14 +119,16 @@ def test_a_poisoned_request_fails_alone_while_other_tenants_stream(
     ]
 
 
+@pytest.mark.parametrize("engine_where", ["--no-engine-process", "--engine-process"])
 def test_a_broken_device_makes_serve_report_and_exit_1(
-    tiny_model_factory: Callable[[str], Path], tmp_path: Path
+    tiny_model_factory: Callable[[str], Path], tmp_path: Path, engine_where: str
 ) -> None:
     model_dir = tiny_model_factory("llama_gqa")
     env = {"LORAPLEX_DATA_DIR": str(tmp_path / "data"), FAULTS_ENV: "broken-after=0",
            "OMP_NUM_THREADS": "1"}
     with serve_process(["--no-auth", "--model", str(model_dir), "--device", "cpu",
-                        "--kv-cache-tokens", "2048"], env, tmp_path / "serve.log") as server, \
+                        "--kv-cache-tokens", "2048", engine_where], env,
+                       tmp_path / "serve.log") as server, \
             httpx.Client(base_url=server.base_url, timeout=30) as client:
         assert client.get("/health").json() == {"status": "ok"}
         statuses = [_complete(client, model_dir.name) for _ in range(3)]
@@ -144,6 +148,64 @@ def test_a_broken_device_makes_serve_report_and_exit_1(
         exit_code = server.proc.wait(30)
         assert exit_code == 1, server.tail()
         assert "the engine failed" in server.tail()
+
+
+def _stream_events(base_url: str, key: str, body: dict[str, object],
+                   started: concurrent.futures.Future[None]) -> list[object]:
+    """Every event of one streamed completion (its JSON, or the text [DONE])."""
+    events: list[object] = []
+    with httpx.stream("POST", f"{base_url}/v1/completions", headers=bearer(key),
+                      json={**body, "stream": True}, timeout=60) as response:
+        assert response.status_code == 200, response.read()
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                data = line.removeprefix("data: ")
+                events.append(data if data == "[DONE]" else json.loads(data))
+                if not started.done():
+                    started.set_result(None)
+    return events
+
+
+def _children(pid: int) -> list[int]:
+    return [int(child) for task in Path(f"/proc/{pid}/task").iterdir()
+            for child in (task / "children").read_text().split()]
+
+
+def test_a_killed_engine_process_fails_its_streams_and_serve_exits_1(
+    tiny_model_factory: Callable[[str], Path], tmp_path: Path
+) -> None:
+    model_dir = tiny_model_factory("llama_long")
+    data_dir = tmp_path / "data"
+    env = {"LORAPLEX_DATA_DIR": str(data_dir), "LORAPLEX_ADMIN_KEY": ADMIN_KEY,
+           "LORAPLEX_SECRET_KEY": SECRET_KEY, "OMP_NUM_THREADS": "1"}
+    with serve_process(["--model", str(model_dir), "--device", "cpu", "--kv-cache-tokens",
+                        "4096", "--engine-process"], env, tmp_path / "serve.log") as server, \
+            httpx.Client(base_url=server.base_url, timeout=60) as client:
+        tenant = create_tenant(client, "tenant-a", rpm=10_000)["id"]
+        key = create_key(client, tenant)["key"]
+        [engine_pid] = [pid for pid in _children(server.proc.pid)
+                        if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        body = {"model": model_dir.name, "prompt": "Count:", "max_tokens": 2000,
+                "temperature": 0, "ignore_eos": True}
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            started = concurrent.futures.Future[None]()
+            stream = pool.submit(_stream_events, server.base_url, key, body, started)
+            started.result(timeout=30)
+            os.kill(engine_pid, signal.SIGKILL)
+            *chunks, last = stream.result(timeout=60)
+        # The stream ends with an error event, not [DONE].
+        assert isinstance(last, dict) and last["error"]["type"] == "server_error", last
+        response_id = chunks[0]["id"]  # type: ignore[index]
+
+        health = client.get("/health")
+        assert health.status_code == 503, health.text
+        assert "the engine process exited (exit code -9)" in health.json()["reason"]
+        exit_code = server.proc.wait(30)
+        assert exit_code == 1, server.tail()
+
+    [row] = usage_rows(f"sqlite:///{data_dir / 'loraplex.db'}").values()
+    assert (row.request_id, row.status) == (response_id, "error")
+    assert row.completion_tokens > 0  # what it streamed before the engine died is metered
 
 
 def test_a_broken_worker_leaves_rotation_and_exits_1(
