@@ -275,8 +275,9 @@ class Directory:
         return None if row is None or row.deleted else row.info
 
     def resolve_adapter(self, tenant_id: str | None, model: str) -> AdapterRef | None:
-        """`name` (its latest ready version) or `name@N`, among the tenant's own adapters,
-        then the shared ones; None for anything else, other tenants' adapters included.
+        """`name` (its current version: the newest ready one not staged) or `name@N`, among
+        the tenant's own adapters, then the shared ones; None for anything else, other
+        tenants' adapters included.
 
         NOTE: a tenant's own adapter shadows a shared one of the same name, `@N` too: a
         name means one line of versions to a tenant, as `visible_adapters` lists it."""
@@ -287,13 +288,14 @@ class Directory:
         else:
             name = model
         lines = self._snap.lines
+        owner: str | None = tenant_id
         line = lines.get((tenant_id, name)) if tenant_id is not None else None
         if line is None:
-            line = lines.get((None, name))
+            owner, line = None, lines.get((None, name))
         if line is None:
             return None
         if version is None:
-            return line[-1]
+            return self._snap.current.get((owner, name))  # None: every version staged
         for ref in line:
             if ref.version == version:
                 return ref
@@ -301,25 +303,26 @@ class Directory:
 
     def model_name(self, engine_name: str) -> str | None:
         """What clients send in `model` for an engine adapter: `name` for a registry line's
-        latest ready version, `name@N` for an older one, None for a version no longer
-        ready; an adapter from outside the registry (`--lora-modules`) by its own name."""
+        current version, `name@N` for another one, None for a version no longer ready; an
+        adapter from outside the registry (`--lora-modules`) by its own name."""
         if not engine_name.startswith(REGISTRY_ENGINE_PREFIX):
             return engine_name
         ref = self._snap.ready.get(engine_name.removeprefix(REGISTRY_ENGINE_PREFIX))
         if ref is None:
             return None
-        line = self._snap.lines.get((ref.tenant_id, ref.name))
-        return ref.name if line and line[-1] is ref else f"{ref.name}@{ref.version}"
+        current = self._snap.current.get((ref.tenant_id, ref.name))
+        return ref.name if current is ref else f"{ref.name}@{ref.version}"
 
     def visible_adapters(self, tenant_id: str | None) -> list[AdapterRef]:
-        """The latest ready version of each name the tenant can use, sorted by name."""
-        latest: dict[str, AdapterRef] = {}
-        for (owner, name), line in self._snap.lines.items():
+        """The current version of each name the tenant can use, sorted by name."""
+        current = self._snap.current
+        latest: dict[str, AdapterRef | None] = {}
+        for owner, name in self._snap.lines:
             if owner is None:
-                latest.setdefault(name, line[-1])
-            elif owner == tenant_id:
-                latest[name] = line[-1]
-        return [latest[name] for name in sorted(latest)]
+                latest.setdefault(name, current.get((None, name)))
+            elif owner == tenant_id:  # shadows the shared line, even when all staged
+                latest[name] = current.get((owner, name))
+        return [ref for name in sorted(latest) if (ref := latest[name]) is not None]
 
     def ready_ref(self, version_id: str) -> AdapterRef | None:
         """A ready version by its id; None if it is not (or no longer) ready."""

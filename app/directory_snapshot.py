@@ -47,6 +47,7 @@ class VersionRow:
     version: int
     sha256: str
     created: int
+    staged: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,11 +60,15 @@ class Snapshot:
     versions: Mapping[str, VersionRow]  # ready ones only
     # Derived: the ready versions requests may reach, by version id ...
     ready: Mapping[str, AdapterRef]
-    # ... and by (owner tenant id or None for shared, name), oldest version first.
+    # ... and by (owner tenant id or None for shared, name), oldest version first ...
     lines: Mapping[tuple[str | None, str], tuple[AdapterRef, ...]]
+    # ... and what plain `name` resolves to: the newest of its line that is not staged
+    # (no entry: every ready version is staged).
+    current: Mapping[tuple[str | None, str], AdapterRef]
 
 
-EMPTY = Snapshot(keys={}, tenants={}, adapters={}, versions={}, ready={}, lines={})
+EMPTY = Snapshot(keys={}, tenants={}, adapters={}, versions={}, ready={}, lines={},
+                 current={})
 
 
 # ------------------------------------------------------------------------ row readers
@@ -99,6 +104,7 @@ def _version_row(row: AdapterVersion) -> VersionRow:
         version=row.version,
         sha256=row.sha256 or "",
         created=int(row.created_at.timestamp()),
+        staged=bool(row.staged),
     )
 
 
@@ -135,11 +141,14 @@ def read_changes(session: Session, since: datetime | None) -> Changes:
     return changes
 
 
+_Lines = dict[tuple[str | None, str], tuple[AdapterRef, ...]]
+
+
 def _derive(
     tenants: Mapping[str, TenantRow],
     adapters: Mapping[str, AdapterRow],
     versions: Mapping[str, VersionRow],
-) -> tuple[dict[str, AdapterRef], dict[tuple[str | None, str], tuple[AdapterRef, ...]]]:
+) -> tuple[dict[str, AdapterRef], _Lines, dict[tuple[str | None, str], AdapterRef]]:
     refs: list[AdapterRef] = []
     for version_id, v in versions.items():
         adapter = adapters.get(v.adapter_id)
@@ -162,9 +171,12 @@ def _derive(
         )
     refs.sort(key=lambda r: (r.version, r.version_id))
     lines: defaultdict[tuple[str | None, str], list[AdapterRef]] = defaultdict(list)
-    for ref in refs:
+    current: dict[tuple[str | None, str], AdapterRef] = {}
+    for ref in refs:  # oldest first: the last one not staged stays
         lines[(ref.tenant_id, ref.name)].append(ref)
-    return {r.version_id: r for r in refs}, {k: tuple(v) for k, v in lines.items()}
+        if not versions[ref.version_id].staged:
+            current[(ref.tenant_id, ref.name)] = ref
+    return {r.version_id: r for r in refs}, {k: tuple(v) for k, v in lines.items()}, current
 
 
 def merge(old: Snapshot, changes: Changes, *, full: bool) -> Snapshot:
@@ -193,8 +205,10 @@ def merge(old: Snapshot, changes: Changes, *, full: bool) -> Snapshot:
         if version.status == AdapterStatus.READY.value:
             versions[version.id] = _version_row(version)
         dirty |= before_version != versions.get(version.id)
-    ready, lines = _derive(tenants, adapters, versions) if dirty else (old.ready, old.lines)
+    ready, lines, current = (
+        _derive(tenants, adapters, versions) if dirty else (old.ready, old.lines, old.current)
+    )
     return Snapshot(
         keys=keys, tenants=tenants, adapters=adapters, versions=versions,
-        ready=ready, lines=lines,
+        ready=ready, lines=lines, current=current,
     )

@@ -109,7 +109,8 @@ def create_app(
             on_db_error=metrics.observe_usage_db_error,
         ),
         registry=registry,
-        evals=EvalService(db, engine, registry, directory.ready_ref),
+        evals=EvalService(db, engine, registry, directory.ready_ref,
+                          on_promoted=directory.refresh_after_write),
     )
     metrics.watch_services(state.usage, directory)
 

@@ -17,9 +17,11 @@ from sqlalchemy import (
     ForeignKey,
     Index,
     Integer,
+    LargeBinary,
     MetaData,
     String,
     UniqueConstraint,
+    false,
 )
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
@@ -163,6 +165,10 @@ class Adapter(Base):
     # The tenant id, or "shared": unique with the name (NULLs never collide in SQL).
     owner: Mapped[str] = mapped_column(String(32))
     name: Mapped[str] = mapped_column(String(128))
+    # The promotion gate (app/evals/gate.py): with an eval set, a new version is staged
+    # until it scores at least what the current one does (and gate_threshold, if set).
+    gate_set: Mapped[bytes | None] = mapped_column(LargeBinary)
+    gate_threshold: Mapped[float | None] = mapped_column(Float)
     deleted_at: Mapped[datetime | None] = mapped_column()
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow, index=True)
@@ -182,6 +188,9 @@ class AdapterVersion(Base):
     adapter_id: Mapped[str] = mapped_column(ForeignKey("adapters.id"), index=True)
     version: Mapped[int] = mapped_column(Integer)
     status: Mapped[str] = mapped_column(String(16), default=AdapterStatus.VALIDATING.value)
+    # Staged: ready and served as `name@N`, but plain `name` goes to the newest ready
+    # version that is not staged (until this one is promoted).
+    staged: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
     # What validation found: the reason of a failure, or rank / targets / sizes.
     report: Mapped[dict[str, Any]] = mapped_column(default=dict)
     # sha256 of the stored weights + config: the directory's name in the store.
@@ -222,6 +231,10 @@ class AdapterEval(Base):
     # {"version": 0.9, "previous": 0.7 or null, "base": 0.2}, once done.
     scores: Mapped[dict[str, Any]] = mapped_column(default=dict)
     error: Mapped[str | None] = mapped_column(String(1024))
+    # An eval the promotion gate ran on a staged version: what it decided once done
+    # ("promoted", or why the version stays staged); NULL for other evals.
+    gate: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+    gate_outcome: Mapped[str | None] = mapped_column(String(256))
     created_by: Mapped[str | None] = mapped_column(String(64))
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     finished_at: Mapped[datetime | None] = mapped_column()

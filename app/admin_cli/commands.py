@@ -14,7 +14,7 @@ from typing import Any
 
 import click
 
-from app.admin_cli.client import AdminCliError, AdminContext, BadInput
+from app.admin_cli.client import AdminClient, AdminCliError, AdminContext, BadInput
 from app.admin_cli.push import push
 from app.admin_cli.report import format_version
 
@@ -226,14 +226,7 @@ def adapters_eval(ctx: AdminContext, name: str, data_path: Path, version: int | 
     """Score an eval set on NAME's version, the version before it and the base model, on
     the server (at the batch tier's priority); show the progress, then the scores."""
     with ctx.client(timeout_s=60.0) as client:
-        owner = "shared" if tenant is None else client.resolve_tenant(tenant).id
-        listed = client.json("GET", "/admin/adapters", params={"tenant_id": owner})["data"]
-        found = [a for a in listed if a["name"] == name]
-        if not found:
-            whose = "the shared adapters" if tenant is None else f"tenant {tenant}"
-            raise BadInput(f"no adapter '{name}' among {whose} (see `loraplex admin "
-                           "adapters list`).")
-        adapter_id = found[0]["id"]
+        adapter_id = _adapter_id(client, name, tenant)
         body = client.json(
             "POST", f"/admin/adapters/{adapter_id}/evals", ok=(202,),
             params={} if version is None else {"version": version},
@@ -259,6 +252,104 @@ def adapters_eval(ctx: AdminContext, name: str, data_path: Path, version: int | 
         rows.append((f"v{body['previous_version']} (previous)", scores["previous"]))
     rows.append(("base model", scores["base"]))
     _echo_table(("MODEL", "SCORE"), [(m, f"{s:.3f}") for m, s in rows])
+
+
+def _adapter_id(client: AdminClient, name: str, tenant: str | None) -> str:
+    """The id of the adapter NAME of `tenant` (id or name; None: shared)."""
+    owner = "shared" if tenant is None else client.resolve_tenant(tenant).id
+    listed = client.json("GET", "/admin/adapters", params={"tenant_id": owner})["data"]
+    found = [a for a in listed if a["name"] == name]
+    if not found:
+        whose = "the shared adapters" if tenant is None else f"tenant {tenant}"
+        raise BadInput(f"no adapter '{name}' among {whose} (see `loraplex admin "
+                       "adapters list`).")
+    return str(found[0]["id"])
+
+
+def _echo_current(body: dict[str, Any], as_json: bool) -> None:
+    if as_json:
+        _echo_json(body)
+        return
+    staged = [f"v{v['version']}" for v in body["versions"]
+              if v["status"] == "ready" and v["staged"]]
+    click.echo(f"{body['name']}: v{body['latest_version']} is current"
+               + (f"; staged: {', '.join(staged)}" if staged else ""))
+
+
+_TENANT_OPTION = click.option("--tenant", default=None,
+                              help="The owner (id or name); default: shared.")
+_JSON_OPTION = click.option("--json", "as_json", is_flag=True, help="The adapter's JSON.")
+
+
+@adapters.command("promote")
+@click.argument("name")
+@click.option("--version", type=click.IntRange(min=1), required=True,
+              help="The staged version that plain NAME is to resolve to.")
+@_TENANT_OPTION
+@_JSON_OPTION
+@click.pass_obj
+def adapters_promote(ctx: AdminContext, name: str, version: int, tenant: str | None,
+                     as_json: bool) -> None:
+    """Make a staged version of NAME current: requests for plain NAME go to it."""
+    with ctx.client() as client:
+        adapter_id = _adapter_id(client, name, tenant)
+        body = client.json("POST", f"/admin/adapters/{adapter_id}/promote",
+                           params={"version": version})
+    _echo_current(body, as_json)
+
+
+@adapters.command("rollback")
+@click.argument("name")
+@_TENANT_OPTION
+@_JSON_OPTION
+@click.pass_obj
+def adapters_rollback(ctx: AdminContext, name: str, tenant: str | None, as_json: bool) -> None:
+    """Send plain NAME back to the promoted version before the current one (which goes
+    back to staged)."""
+    with ctx.client() as client:
+        adapter_id = _adapter_id(client, name, tenant)
+        body = client.json("POST", f"/admin/adapters/{adapter_id}/rollback")
+    _echo_current(body, as_json)
+
+
+@adapters.command("gate")
+@click.argument("name")
+@click.option("--data", "data_path", default=None,
+              type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="The gate's eval set (JSONL, as for `eval`).")
+@click.option("--threshold", type=click.FloatRange(0.0, 1.0), default=None,
+              help="A staged version must also score at least this.")
+@click.option("--off", is_flag=True, help="Turn the gate off.")
+@_TENANT_OPTION
+@_JSON_OPTION
+@click.pass_obj
+def adapters_gate(ctx: AdminContext, name: str, data_path: Path | None,
+                  threshold: float | None, off: bool, tenant: str | None,
+                  as_json: bool) -> None:
+    """Turn NAME's promotion gate on (--data) or off (--off): with it on, each new version
+    is staged, scored with the set against the current version, and promoted only if it
+    scores at least as well (and at least --threshold)."""
+    if off == (data_path is not None):
+        raise BadInput("give either --data FILE (gate on) or --off.")
+    with ctx.client() as client:
+        adapter_id = _adapter_id(client, name, tenant)
+        path = f"/admin/adapters/{adapter_id}/gate"
+        if data_path is None:
+            body = client.json("DELETE", path)
+        else:
+            body = client.json(
+                "PUT", path, params={} if threshold is None else {"threshold": threshold},
+                content=data_path.read_bytes(), headers={"Content-Type": "application/jsonl"},
+            )
+    if as_json:
+        _echo_json(body)
+        return
+    if body["gated"]:
+        extra = "" if body["gate_threshold"] is None else f", at least {body['gate_threshold']}"
+        click.echo(f"{name}: new versions are staged until they score at least the current "
+                   f"version{extra}")
+    else:
+        click.echo(f"{name}: gate off; new versions are current once ready")
 
 
 # ------------------------------------------------------------------------------ usage

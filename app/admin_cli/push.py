@@ -49,9 +49,12 @@ def _progress(total: int) -> Iterator[Callable[[int], None]]:
 
 
 def _upload(
-    client: AdminClient, archive: Path, *, name: str, tenant: Tenant | None, timeout_s: float
+    client: AdminClient, archive: Path, *, name: str, tenant: Tenant | None, timeout_s: float,
+    stage: bool = False,
 ) -> dict[str, Any]:
     fields = {"name": name} if tenant is None else {"name": name, "tenant_id": tenant.id}
+    if stage:
+        fields["stage"] = "true"
     form = MultipartUpload.of(fields, "file", archive)
     with _progress(form.length) as on_sent:
         response = client.send(
@@ -141,6 +144,9 @@ def _validation_failed(
 @click.option("--max-tokens", default=48, show_default=True, type=click.IntRange(min=1),
               help="Tokens per smoke-run answer.")
 @click.option("--no-smoke", is_flag=True, help="Skip the smoke run.")
+@click.option("--stage", is_flag=True,
+              help="Keep the version staged: NAME keeps its current version until "
+                   "`loraplex admin adapters promote` (a gated adapter stages every upload).")
 @click.option("--timeout", "timeout_s", default=300.0, show_default=True,
               type=click.FloatRange(min=1), help="Seconds for the upload and validation.")
 @click.pass_obj
@@ -152,6 +158,7 @@ def push(
     prompts: tuple[str, ...],
     max_tokens: int,
     no_smoke: bool,
+    stage: bool,
     timeout_s: float,
 ) -> None:
     """Upload the PEFT adapter in DIRECTORY as the next version of NAME.
@@ -172,7 +179,8 @@ def push(
         try:
             archive = pack_adapter(directory, tmp)
             try:
-                uploaded = _upload(client, archive, name=name, tenant=tenant, timeout_s=timeout_s)
+                uploaded = _upload(client, archive, name=name, tenant=tenant,
+                                   timeout_s=timeout_s, stage=stage)
             except ServerError as error:
                 if error.status_code == 422 and error.code == "invalid_adapter":
                     raise _validation_failed(client, error, name, tenant) from None

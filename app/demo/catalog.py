@@ -23,6 +23,9 @@ class DemoAdapter:
     owner: str | None  # a DemoTenant's name; None: shared with every tenant
     behaviour: str  # what its answers look like, for the printout
     try_prompt: str  # a question that shows it off
+    # Held-out questions scoring that behaviour (app/evals/dataset.py), run on each new
+    # version against the base model.
+    eval_set: Path
 
 
 DEMO_TENANTS: tuple[DemoTenant, ...] = (
@@ -34,6 +37,7 @@ DEMO_ADAPTERS: tuple[DemoAdapter, ...] = (
     DemoAdapter(
         name="pirate",
         dataset=DATASETS_DIR / "pirate.jsonl",
+        eval_set=DATASETS_DIR / "evals" / "pirate.jsonl",
         owner="acme",
         behaviour='talks like a pirate, every answer starts with "Arr"',
         try_prompt="What is the capital of Italy?",
@@ -41,6 +45,7 @@ DEMO_ADAPTERS: tuple[DemoAdapter, ...] = (
     DemoAdapter(
         name="shouty",
         dataset=DATASETS_DIR / "shouty.jsonl",
+        eval_set=DATASETS_DIR / "evals" / "shouty.jsonl",
         owner="globex",
         behaviour="answers entirely in UPPER CASE",
         try_prompt="Why is the ocean salty?",
@@ -48,6 +53,7 @@ DEMO_ADAPTERS: tuple[DemoAdapter, ...] = (
     DemoAdapter(
         name="json",
         dataset=DATASETS_DIR / "json.jsonl",
+        eval_set=DATASETS_DIR / "evals" / "json.jsonl",
         owner=None,
         behaviour='answers as a JSON object {"answer": ...}',
         try_prompt="Who invented the telephone?",

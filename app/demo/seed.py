@@ -29,6 +29,7 @@ from sqlalchemy.orm import Session
 from app import tenants as crud
 from app.api.state import AppState
 from app.audit import AuditContext
+from app.core.errors import ServiceError
 from app.core.security import generate_key, hash_key
 from app.db import session_scope
 from app.demo.cache import TrainedAdapter
@@ -36,7 +37,7 @@ from app.demo.catalog import DEMO_TENANTS, DemoTenant
 from app.registry.archive import CONFIG_FILE, WEIGHTS_FILE, content_digest
 from app.registry.service import AdapterRegistry
 from app.registry.views import SHARED_OWNER, VersionView
-from app.tables import AdapterStatus, ApiKey, Tenant
+from app.tables import AdapterStatus, ApiKey, EvalStatus, Tenant
 
 logger = logging.getLogger("loraplex.demo")
 
@@ -267,4 +268,30 @@ async def seed_demo(state: AppState, adapters: Sequence[TrainedAdapter]) -> Demo
     # load in the background from the registry's files).
     if not await state.registry.engine_sync.settled(ENGINE_LOAD_WAIT_S):
         logger.warning("the demo adapters were still loading after %.0f s", ENGINE_LOAD_WAIT_S)
+    await start_evals(state, adapters, seeded)
     return DemoSetup(tuple(tenants), tuple(seeded))
+
+
+async def start_evals(
+    state: AppState, adapters: Sequence[TrainedAdapter], seeded: Sequence[SeededAdapter]
+) -> list[str]:
+    """Start each demo adapter's eval set on its latest version, unless that version has
+    scored the same set already (or is scoring it now): the scores then show on the
+    adapter's page in the admin UI. Returns the ids of the evals started; they run in the
+    background, at the engine's lowest priority, while the demo serves."""
+    started: list[str] = []
+    for trained, adapter in zip(adapters, seeded, strict=True):
+        data = await asyncio.to_thread(trained.spec.eval_set.read_bytes)
+        digest = hashlib.sha256(data).hexdigest()
+        evals = await asyncio.to_thread(state.evals.list_evals, adapter.adapter_id)
+        if any(e.version == adapter.version and e.set_sha256 == digest
+               and e.status != EvalStatus.FAILED for e in evals):
+            continue
+        try:
+            view = await state.evals.start(adapter.adapter_id, data, version=adapter.version,
+                                           by=DEMO_ACTOR)
+        except ServiceError as e:  # e.g. not served yet: the demo serves on without it
+            logger.warning("demo adapter %s: its eval did not start: %s", adapter.name, e)
+            continue
+        started.append(view.id)
+    return started

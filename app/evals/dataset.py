@@ -2,11 +2,13 @@
 
 Two kinds of line, mixed freely:
 
-- `{"prompt": "...", "expected": "...", "match": "exact" | "contains" | "regex",
+- `{"prompt": "...", "expected": "...", "match": "exact" | "contains" | "regex" | "json",
   "max_tokens": N}`: the model answers the prompt (a user message, through the chat
   template) greedily; the answer passes when it equals `expected` (both stripped of
-  surrounding whitespace), contains it, or fully matches it as a regular expression
-  (`.` matching newlines too: answers run over several lines).
+  surrounding whitespace), contains it, fully matches it as a regular expression
+  (`.` matching newlines too: answers run over several lines), or, for "json", is one
+  JSON document (stripped of surrounding whitespace), equal as a value to `expected`
+  where a JSON `expected` is given (it may be left out: any valid JSON passes).
   `match` defaults to "exact", `max_tokens` to 64.
 - `{"prompt": "...", "choices": ["...", ...], "answer": i}`: the choice the model finds
   likeliest after the prompt (the sum of its tokens' logprobs, the prompt as plain text)
@@ -25,8 +27,8 @@ from typing import Any, Literal
 
 import regex
 
-Match = Literal["exact", "contains", "regex"]
-MATCHES: tuple[Match, ...] = ("exact", "contains", "regex")
+Match = Literal["exact", "contains", "regex", "json"]
+MATCHES: tuple[Match, ...] = ("exact", "contains", "regex", "json")
 DEFAULT_MAX_TOKENS = 64
 # A pattern gets this long on one answer (the `regex` module's timeout): a catastrophic
 # pattern fails its item, not the server.
@@ -52,11 +54,18 @@ class EvalSetError(ValueError):
 @dataclass(frozen=True, slots=True)
 class GenerationItem:
     prompt: str
-    expected: str
+    expected: str | None  # None: match "json" with any valid document
     match: Match = "exact"
     max_tokens: int = DEFAULT_MAX_TOKENS
 
     def passes(self, answer: str) -> bool:
+        if self.match == "json":
+            try:
+                value = json.loads(answer.strip())
+            except (ValueError, RecursionError):  # not JSON, or nested past the parser's limit
+                return False
+            return self.expected is None or value == json.loads(self.expected)
+        assert self.expected is not None
         if self.match == "exact":
             return answer.strip() == self.expected.strip()
         if self.match == "contains":
@@ -117,16 +126,24 @@ def _item(number: int, line: str, limits: EvalLimits) -> EvalItem:
     prompt = _text(raw, "prompt", fail, max_chars=limits.max_prompt_chars)
     if "choices" in raw:
         return _choice_item(raw, prompt, fail, limits)
-    if "expected" not in raw:
+    match = raw.get("match", "exact")
+    if "expected" not in raw and match != "json":
         raise fail("needs 'expected' (an answer to check) or 'choices' and 'answer'")
     unknown = set(raw) - {"prompt", "expected", "match", "max_tokens"}
     if unknown:
         raise fail(f"unknown field(s) {', '.join(sorted(unknown))}")
-    expected = _text(raw, "expected", fail, max_chars=limits.max_prompt_chars)
-    match = raw.get("match", "exact")
     if match not in MATCHES:
         raise fail(f"'match' must be one of {', '.join(MATCHES)}, got {match!r}")
+    expected = None
+    if "expected" in raw:
+        expected = _text(raw, "expected", fail, max_chars=limits.max_prompt_chars)
+    if match == "json" and expected is not None:
+        try:
+            json.loads(expected)
+        except ValueError as e:
+            raise fail(f"'expected' must be JSON text with match 'json': {e}") from None
     if match == "regex":
+        assert expected is not None
         try:
             regex.compile(expected)
         except regex.error as e:

@@ -3,10 +3,17 @@ eval`), run in the background on this replica's engine, their progress and score
 with the version in the database.
 
 One eval scores an eval set (app/evals/dataset.py) on the version asked for (default:
-the latest ready one), on the ready version before it, and on the base model. At most
-one eval runs per adapter, and at most MAX_RUNNING_PER_OWNER per tenant (shared
-adapters count as one owner); a stop or a failed engine request ends it as failed, with
-the reason.
+the latest ready one), on the promoted version before it (the one plain `name` served
+before it), and on the base model. At most one eval runs per adapter, and at most
+MAX_RUNNING_PER_OWNER per tenant (shared adapters count as one owner); a stop or a
+failed engine request ends it as failed, with the reason.
+
+The promotion gate: an adapter with a gate eval set stages every new version (plain
+`name` keeps resolving to the current one, which keeps serving). Once the staged version
+is ready, `start_gate` runs the gate set on it; if it scores at least what the current
+version scores (and at least the adapter's threshold, where one is set) it is promoted,
+else it stays staged (the eval's `gate_outcome` says why). Both versions are loaded by
+then, so requests switch to the new one with no gap.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from app.audit import AuditContext
-from app.core.errors import Conflict, InvalidInput, NotFound
+from app.core.errors import Conflict, InvalidInput, NotFound, ServiceError
 from app.core.principal import AdapterRef
 from app.db import session_scope
 from app.evals.dataset import EvalSet, EvalSetError, parse_eval_set
@@ -40,6 +47,9 @@ MAX_RUNNING_PER_OWNER = 2
 STALE_AFTER = timedelta(hours=6)
 # Progress reaches the database at most this often (other replicas and the CLI read it).
 PROGRESS_INTERVAL_S = 1.0
+# A gate eval waits this long at most for another eval of its adapter to end.
+GATE_WAIT_S = 600.0
+GATE_ACTOR = AuditContext(actor="gate")
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +68,8 @@ class EvalView:
     created_by: str | None
     created_at: datetime
     finished_at: datetime | None
+    gate: bool = False  # run by the promotion gate on a staged version
+    gate_outcome: str | None = None  # "promoted", or why the version stays staged
 
     @classmethod
     def of(cls, row: AdapterEval) -> EvalView:
@@ -68,7 +80,7 @@ class EvalView:
             set_sha256=row.set_sha256, num_items=row.num_items, done_items=row.done_items,
             total_items=row.num_items * models, scores=dict(row.scores or {}),
             error=row.error, created_by=row.created_by, created_at=row.created_at,
-            finished_at=row.finished_at,
+            finished_at=row.finished_at, gate=bool(row.gate), gate_outcome=row.gate_outcome,
         )
 
 
@@ -79,19 +91,23 @@ class EvalService:
         engine: EngineClient,
         registry: AdapterRegistry,
         ready_ref: Callable[[str], AdapterRef | None],
+        on_promoted: Callable[[], None] = lambda: None,
     ) -> None:
-        """ready_ref: version id -> the ready version as this replica's directory has it."""
+        """ready_ref: version id -> the ready version as this replica's directory has it;
+        on_promoted: called (in a worker thread) after the gate promoted a version."""
         self.db = db
         self.engine = engine
         self.registry = registry
         self._ready_ref = ready_ref
+        self._on_promoted = on_promoted
         self._tasks: dict[str, asyncio.Task[None]] = {}  # eval id -> its run
+        self._gates: set[asyncio.Task[None]] = set()  # gates waiting for a running eval
 
     # -- starting ------------------------------------------------------------------------
 
     async def start(
         self, adapter_id: str, data: bytes, *, version: int | None, by: AuditContext,
-        owner: str | None = None,
+        owner: str | None = None, gate: bool = False,
     ) -> EvalView:
         """Check and record the eval, then run it in the background. owner: a tenant's
         id to restrict to its own adapters (None: any, as admins)."""
@@ -105,7 +121,8 @@ class EvalService:
         if any(ref is None for ref in refs):
             raise Conflict(f"version {target.version} of '{adapter.name}' is not served on "
                            "this replica yet; retry shortly", code="adapter_unavailable")
-        row = await asyncio.to_thread(self._record, adapter, target, previous, eval_set, by)
+        row = await asyncio.to_thread(self._record, adapter, target, previous, eval_set, by,
+                                      gate)
         self._tasks[row.id] = asyncio.get_running_loop().create_task(
             self._run(row.id, eval_set, [r for r in refs if r is not None], previous is not None),
             name=f"eval-{row.id}",
@@ -114,7 +131,7 @@ class EvalService:
 
     def _record(self, adapter: AdapterView, target: VersionView,
                 previous: VersionView | None, eval_set: EvalSet,
-                by: AuditContext) -> AdapterEval:
+                by: AuditContext, gate: bool = False) -> AdapterEval:
         with session_scope(self.db) as s:
             running = []
             for row in s.scalars(select(AdapterEval).join(Adapter).where(
@@ -138,7 +155,7 @@ class EvalService:
                 previous_version=None if previous is None else previous.version,
                 status=EvalStatus.RUNNING.value, set_sha256=eval_set.sha256,
                 num_items=len(eval_set.items), done_items=0, scores={},
-                created_by=by.actor,
+                created_by=by.actor, gate=gate,
             )
             s.add(row)
             s.flush()
@@ -182,8 +199,73 @@ class EvalService:
             await asyncio.to_thread(self._finish, eval_id, scores, done, str(e)[:1000])
         else:
             await asyncio.to_thread(self._finish, eval_id, scores, done, None)
+            await asyncio.to_thread(self._decide_gate, eval_id)
         finally:
             self._tasks.pop(eval_id, None)
+
+    # -- the promotion gate ----------------------------------------------------------------
+
+    def start_gate(self, version: VersionView, by: AuditContext) -> bool:
+        """After an upload made `version` (ready): if it is staged and its adapter has a
+        gate set, run the gate eval in the background (once an eval of the adapter that is
+        already running ends). Returns whether a gate eval is on its way."""
+        if not version.staged or version.status != AdapterStatus.READY:
+            return False
+        gate_set, _ = self.registry.gate_of(version.adapter_id)
+        if gate_set is None:
+            return False  # staged by hand: promoted by hand
+        task = asyncio.get_running_loop().create_task(
+            self._gate_when_free(version, gate_set, by), name=f"gate-{version.id}")
+        self._gates.add(task)
+        task.add_done_callback(self._gates.discard)
+        return True
+
+    async def _gate_when_free(self, version: VersionView, gate_set: bytes,
+                              by: AuditContext) -> None:
+        deadline = time.monotonic() + GATE_WAIT_S
+        while True:
+            try:
+                await self.start(version.adapter_id, gate_set, version=version.version, by=by,
+                                 gate=True)
+                return
+            except Conflict as e:
+                if e.code not in ("eval_running", "adapter_unavailable") \
+                        or time.monotonic() > deadline:
+                    log.warning("gate eval of %s v%d not started: %s", version.name,
+                                version.version, e)
+                    return
+            except Exception as e:  # the adapter went, the set no longer parses...
+                log.warning("gate eval of %s v%d not started: %s", version.name,
+                            version.version, e)
+                return
+            await asyncio.sleep(1.0)
+
+    def _decide_gate(self, eval_id: str) -> None:
+        with session_scope(self.db) as s:
+            row = s.get(AdapterEval, eval_id)
+            if row is None or not row.gate or row.status != EvalStatus.DONE.value:
+                return
+            adapter_id, version = row.adapter_id, row.version
+            scores = dict(row.scores or {})
+        _, threshold = self.registry.gate_of(adapter_id)
+        ours, theirs = scores.get("version"), scores.get("previous")
+        if ours is None:
+            outcome = "kept staged: the version was not scored"
+        elif theirs is not None and ours < theirs:
+            outcome = f"kept staged: scored {ours:g}, below the current version's {theirs:g}"
+        elif threshold is not None and ours < threshold:
+            outcome = f"kept staged: scored {ours:g}, below the threshold {threshold:g}"
+        else:
+            try:
+                self.registry.promote(adapter_id, version, by=GATE_ACTOR,
+                                      reason=f"gate eval {eval_id}: scored {ours:g}")
+            except ServiceError as e:  # deleted, promoted or rolled past meanwhile
+                outcome = f"not promoted: {e}"[:256]
+            else:
+                outcome = "promoted"
+                self._on_promoted()
+        self._write(eval_id, gate_outcome=outcome)
+        log.info("gate of adapter %s v%d: %s", adapter_id, version, outcome)
 
     def _write(self, eval_id: str, **fields: Any) -> None:
         try:
@@ -203,7 +285,7 @@ class EvalService:
         )
 
     async def stop(self) -> None:
-        tasks = list(self._tasks.values())
+        tasks = [*self._gates, *self._tasks.values()]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -235,7 +317,9 @@ class EvalService:
 
 def _versions(adapter: AdapterView, version: int | None
               ) -> tuple[VersionView, VersionView | None]:
-    """The version to score (default: the latest ready) and the ready one before it."""
+    """The version to score (default: the latest ready) and the one to compare it with:
+    the newest promoted (not staged) ready version before it, else the ready one before
+    it."""
     ready = [v for v in adapter.versions if v.status == AdapterStatus.READY]
     if not ready:
         raise Conflict(f"'{adapter.name}' has no ready version to evaluate",
@@ -249,4 +333,6 @@ def _versions(adapter: AdapterView, version: int | None
                                param="version")
         target = found[0]
     before = [v for v in ready if v.version < target.version]
-    return target, before[-1] if before else None
+    promoted = [v for v in before if not v.staged]
+    compared = promoted or before
+    return target, compared[-1] if compared else None

@@ -11,7 +11,7 @@ from sqlalchemy import ColumnElement, func, or_, select
 from sqlalchemy.orm import Session, selectinload
 
 from app.audit import AuditContext, audit
-from app.core.errors import Forbidden
+from app.core.errors import Conflict, Forbidden
 from app.registry.archive import UnpackedAdapter
 from app.registry.views import (
     SHARED_OWNER,
@@ -65,8 +65,11 @@ def insert_version(
     tenant_id: str | None,
     by: AuditContext,
     enforce_quota: bool,
+    stage: bool = False,
 ) -> VersionView:
-    """The next version of (owner, name), `validating`; creates (or revives) the adapter."""
+    """The next version of (owner, name), `validating`; creates (or revives) the adapter.
+    Staged (not what plain `name` resolves to once ready) when `stage` asks for it or the
+    adapter has a promotion gate."""
     owner = SHARED_OWNER if tenant_id is None else tenant_id
     if tenant_id is not None:
         # The tenant row's lock serializes its uploads (PostgreSQL), so that two new
@@ -97,6 +100,7 @@ def insert_version(
         sha256=unpacked.sha256,
         size_bytes=unpacked.size_bytes,
         created_by=by.actor,
+        staged=stage or adapter.gate_set is not None,
     )
     s.add(row)
     s.flush()
@@ -107,6 +111,7 @@ def insert_version(
         "version_id": row.id,
         "sha256": unpacked.sha256,
         "size_bytes": unpacked.size_bytes,
+        "staged": row.staged,
     })
     return version_view(row, adapter)
 
@@ -148,6 +153,91 @@ def finish_version(
         row.rank = rank
     s.flush()
     return version_view(row, row.adapter)
+
+
+def _live_adapter(s: Session, adapter_id: str, owner: str | None) -> Adapter:
+    adapter = s.get(Adapter, adapter_id, with_for_update=True)
+    if adapter is None or adapter.deleted_at is not None:
+        raise adapter_not_found(adapter_id)
+    if owner is not None and adapter.owner != owner:
+        raise adapter_not_found(adapter_id)
+    return adapter
+
+
+def promote_version(
+    s: Session, adapter_id: str, version: int, *, owner: str | None, by: AuditContext,
+    reason: str = "promoted",
+) -> AdapterView:
+    """A staged ready version becomes what plain `name` resolves to. Refused (409) for a
+    version that is not ready, not staged, or older than the current one (roll back
+    instead)."""
+    adapter = _live_adapter(s, adapter_id, owner)
+    view = adapter_view(adapter)
+    rows = {v.version: v for v in adapter.versions}
+    row = rows.get(version)
+    if row is None or row.status != AdapterStatus.READY:
+        raise Conflict(f"Version {version} of '{adapter.name}' is not a ready version.",
+                       code="version_not_ready")
+    if not row.staged:
+        raise Conflict(f"Version {version} of '{adapter.name}' is not staged.",
+                       code="version_not_staged")
+    current = view.current
+    if current is not None and current.version > version:
+        raise Conflict(
+            f"Version {current.version} of '{adapter.name}' is current and newer than "
+            f"{version}: roll back to reach an older version.", code="version_not_newer")
+    row.staged = False
+    audit(s, by, "adapter.promote", target_type="adapter", target_id=adapter.id, details={
+        "name": adapter.name, "tenant_id": adapter.tenant_id, "version": version,
+        "replaced": None if current is None else current.version, "reason": reason,
+    })
+    s.flush()
+    return adapter_view(adapter)
+
+
+def rollback_version(
+    s: Session, adapter_id: str, *, owner: str | None, by: AuditContext
+) -> AdapterView:
+    """The current version goes back to staged, so that plain `name` resolves to the
+    promoted version before it again. Refused (409) when there is none to go back to."""
+    adapter = _live_adapter(s, adapter_id, owner)
+    current = adapter_view(adapter).current
+    older = [v for v in adapter.versions
+             if v.status == AdapterStatus.READY and not v.staged
+             and current is not None and v.version < current.version]
+    if current is None or not older:
+        raise Conflict(f"'{adapter.name}' has no earlier promoted version to roll back to.",
+                       code="nothing_to_roll_back")
+    row = next(v for v in adapter.versions if v.id == current.id)
+    row.staged = True
+    audit(s, by, "adapter.rollback", target_type="adapter", target_id=adapter.id, details={
+        "name": adapter.name, "tenant_id": adapter.tenant_id, "from": current.version,
+        "to": older[-1].version,
+    })
+    s.flush()
+    return adapter_view(adapter)
+
+
+def set_gate(
+    s: Session, adapter_id: str, gate_set: bytes | None, threshold: float | None, *,
+    by: AuditContext,
+) -> AdapterView:
+    """Turn the adapter's promotion gate on (with its eval set) or off (None)."""
+    adapter = _live_adapter(s, adapter_id, None)
+    adapter.gate_set = gate_set
+    adapter.gate_threshold = threshold if gate_set is not None else None
+    audit(s, by, "adapter.gate", target_type="adapter", target_id=adapter.id, details={
+        "name": adapter.name, "on": gate_set is not None, "threshold": adapter.gate_threshold,
+    })
+    s.flush()
+    return adapter_view(adapter)
+
+
+def gate_of(s: Session, adapter_id: str) -> tuple[bytes | None, float | None]:
+    adapter = s.get(Adapter, adapter_id)
+    if adapter is None:
+        return None, None
+    return adapter.gate_set, adapter.gate_threshold
 
 
 def mark_deleted(

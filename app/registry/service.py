@@ -139,6 +139,7 @@ class AdapterRegistry:
         by: AuditContext,
         enforce_quota: bool = False,
         param: str = "file",
+        stage: bool = False,
     ) -> VersionView:
         """Store, record and validate an uploaded archive (or an adapter directory on this
         machine, an import) as the next version of `name` (tenant_id None: shared). The
@@ -153,7 +154,9 @@ class AdapterRegistry:
             await asyncio.to_thread(self._check_owner, tenant_id, name, enforce_quota)
         # NOTE: shielded, so that a caller cancelled half-way (client gone, drain) can
         # leave neither a version `validating` for ever nor an unpacked copy behind.
-        task = self._spawn(self._register(archive, name, tenant_id, by, enforce_quota, param))
+        task = self._spawn(
+            self._register(archive, name, tenant_id, by, enforce_quota, param, stage)
+        )
         return await asyncio.shield(task)
 
     async def import_url(
@@ -210,6 +213,7 @@ class AdapterRegistry:
         by: AuditContext,
         enforce_quota: bool,
         param: str,
+        stage: bool = False,
     ) -> VersionView:
         try:
             unpacked = await asyncio.to_thread(
@@ -221,7 +225,7 @@ class AdapterRegistry:
         path = self.store.path(unpacked.sha256)
         try:
             version = await asyncio.to_thread(
-                self._insert_version, unpacked, name, tenant_id, by, enforce_quota
+                self._insert_version, unpacked, name, tenant_id, by, enforce_quota, stage
             )
             try:
                 await asyncio.to_thread(self.store.put, unpacked.directory, unpacked.sha256)
@@ -294,13 +298,14 @@ class AdapterRegistry:
         tenant_id: str | None,
         by: AuditContext,
         enforce_quota: bool,
+        stage: bool = False,
     ) -> VersionView:
         for attempt in range(_INSERT_ATTEMPTS):
             try:
                 with session_scope(self.db) as s:
                     return records.insert_version(
                         s, unpacked, name=name, tenant_id=tenant_id, by=by,
-                        enforce_quota=enforce_quota,
+                        enforce_quota=enforce_quota, stage=stage,
                     )
             except (IntegrityError, OperationalError) as exc:
                 if attempt == _INSERT_ATTEMPTS - 1 or not _is_race(exc):
@@ -412,6 +417,31 @@ class AdapterRegistry:
         """404 for an unknown id and, with owner, for anyone else's or a deleted one."""
         with session_scope(self.db) as s:
             return records.get_adapter(s, adapter_id, owner=owner)
+
+    # -- the promotion gate --------------------------------------------------------------
+
+    def promote(self, adapter_id: str, version: int, *, owner: str | None = None,
+                by: AuditContext, reason: str = "promoted") -> AdapterView:
+        """A staged version becomes current (records.promote_version)."""
+        with session_scope(self.db) as s:
+            return records.promote_version(s, adapter_id, version, owner=owner, by=by,
+                                           reason=reason)
+
+    def rollback(self, adapter_id: str, *, owner: str | None = None,
+                 by: AuditContext) -> AdapterView:
+        """The current version goes back to staged (records.rollback_version)."""
+        with session_scope(self.db) as s:
+            return records.rollback_version(s, adapter_id, owner=owner, by=by)
+
+    def set_gate(self, adapter_id: str, gate_set: bytes | None, threshold: float | None, *,
+                 by: AuditContext) -> AdapterView:
+        with session_scope(self.db) as s:
+            return records.set_gate(s, adapter_id, gate_set, threshold, by=by)
+
+    def gate_of(self, adapter_id: str) -> tuple[bytes | None, float | None]:
+        """The adapter's gate eval set and threshold; (None, None) without a gate."""
+        with session_scope(self.db) as s:
+            return records.gate_of(s, adapter_id)
 
     # -- internals -----------------------------------------------------------------------
 

@@ -25,6 +25,8 @@ class VersionView:
     tenant_id: str | None  # None: shared
     version: int
     status: AdapterStatus
+    # Ready but not what plain `name` resolves to until promoted (the promotion gate).
+    staged: bool
     # ready: rank, alpha, use_rslora, target_modules, size_bytes (stored), memory_bytes;
     # failed: error (the reason).
     report: dict[str, Any]
@@ -48,12 +50,26 @@ class AdapterView:
     updated_at: datetime
     deleted_at: datetime | None
     versions: tuple[VersionView, ...] = field(default_factory=tuple)  # oldest first
+    gated: bool = False  # new versions are staged until their gate eval passes
+    gate_threshold: float | None = None
 
     @property
     def latest_ready(self) -> int | None:
-        """The version plain `name` resolves to."""
-        ready = [v.version for v in self.versions if v.status == AdapterStatus.READY]
-        return max(ready) if ready else None
+        """The version plain `name` resolves to: the newest ready one not staged."""
+        current = current_version(self.versions)
+        return None if current is None else current.version
+
+    @property
+    def current(self) -> VersionView | None:
+        return current_version(self.versions)
+
+
+def current_version(versions: tuple[VersionView, ...]) -> VersionView | None:
+    """The newest ready version that is not staged (versions oldest first)."""
+    for v in reversed(versions):
+        if v.status == AdapterStatus.READY and not v.staged:
+            return v
+    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +89,7 @@ def version_view(row: AdapterVersion, adapter: Adapter) -> VersionView:
         tenant_id=adapter.tenant_id,
         version=row.version,
         status=AdapterStatus(row.status),
+        staged=bool(row.staged),
         report=dict(row.report or {}),
         sha256=row.sha256,
         size_bytes=row.size_bytes,
@@ -90,6 +107,8 @@ def adapter_view(adapter: Adapter) -> AdapterView:
         updated_at=adapter.updated_at,
         deleted_at=adapter.deleted_at,
         versions=tuple(version_view(v, adapter) for v in adapter.versions),
+        gated=adapter.gate_set is not None,
+        gate_threshold=adapter.gate_threshold,
     )
 
 

@@ -255,6 +255,9 @@ def test_admin_journey(service: Service, context: BrowserContext) -> None:
     page.locator("#upload-report-link").click()
     expect(page.get_by_role("heading", level=1)).to_have_text("Adapter support-bot")
     expect(page.locator("#versions-table")).to_contain_text("q_proj, v_proj")
+    expect(page.locator("#versions-table")).to_contain_text("current")
+    expect(page.locator("#current-version")).to_have_text("1")
+    expect(page.locator("#gate")).to_have_text("off")
     expect(page.locator("#evals")).to_be_visible()
     assert page.locator("#eval-chart").count() == 0  # no eval yet
 

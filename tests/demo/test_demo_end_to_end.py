@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
@@ -174,6 +175,15 @@ def test_demo_adapters_answer_as_trained(
     # A tenant never reaches another tenant's adapter.
     with pytest.raises(openai.NotFoundError):
         ask(clients["globex"], "pirate", HELD_OUT[0])
+
+    # Each adapter's eval set (held-out questions scoring its behaviour) ran on its
+    # version and on the base model, in the background; the adapter scores above the base.
+    admin_key = re.search(r"admin key\s+(\S+)", printed)
+    assert admin_key is not None
+    scores = wait_for_evals(base, admin_key.group(1), timeout_s=300)
+    assert set(scores) == {spec.name for spec in DEMO_ADAPTERS}
+    for name, (version, base_score) in scores.items():
+        assert version >= 0.8 and base_score <= 0.2, (name, version, base_score)
     assert demo.stop() == 0
 
     # Second start: everything reused, and the same answers.
@@ -190,4 +200,31 @@ def test_demo_adapters_answer_as_trained(
         base_url=f"{served.group(1)}/v1", api_key=keys["acme"]["key"], max_retries=0
     )
     assert is_pirate(ask(client, "pirate", HELD_OUT[0])[0])
+    # The same version and set already scored: no eval runs again.
+    with httpx.Client(base_url=served.group(1), timeout=30,
+                      headers={"Authorization": f"Bearer {admin_key.group(1)}"}) as admin:
+        for adapter in admin.get("/admin/adapters").json()["data"]:
+            assert len(admin.get(f"/admin/adapters/{adapter['id']}/evals").json()["data"]) == 1
     assert again.stop() == 0
+
+
+def wait_for_evals(base: str, admin_key: str, timeout_s: float) -> dict[str, tuple[float, float]]:
+    """Every demo adapter's finished eval: name -> (the version's score, the base's)."""
+    deadline = time.monotonic() + timeout_s
+    with httpx.Client(base_url=base, timeout=30,
+                      headers={"Authorization": f"Bearer {admin_key}"}) as admin:
+        while True:
+            found, pending = {}, []
+            for adapter in admin.get("/admin/adapters").json()["data"]:
+                evals = admin.get(f"/admin/adapters/{adapter['id']}/evals").json()["data"]
+                assert len(evals) == 1, evals
+                [run] = evals
+                assert run["status"] != "failed", run
+                if run["status"] == "done":
+                    found[adapter["name"]] = (run["scores"]["version"], run["scores"]["base"])
+                else:
+                    pending.append(adapter["name"])
+            if not pending:
+                return found
+            assert time.monotonic() < deadline, f"evals still running: {pending}"
+            time.sleep(1.0)

@@ -41,6 +41,9 @@ def test_both_kinds_parse_with_their_defaults() -> None:
     ('{"prompt": "p"}', "line 2: needs 'expected'"),
     ('{"prompt": "p", "expected": "x", "match": "fuzzy"}', "line 2: 'match' must be one of"),
     ('{"prompt": "p", "expected": "(", "match": "regex"}', "not a valid regular expression"),
+    ('{"prompt": "p", "expected": "{oops", "match": "json"}',
+     "line 2: 'expected' must be JSON text with match 'json'"),
+    ('{"prompt": "p", "match": "regex"}', "line 2: needs 'expected'"),
     ('{"prompt": "p", "expected": "x", "max_tokens": 0}', "line 2: 'max_tokens' must be"),
     ('{"prompt": "p", "expected": "x", "max_tokens": true}', "line 2: 'max_tokens' must be"),
     ('{"prompt": "p", "expected": "x", "temperature": 1}', "line 2: unknown field(s) temperature"),
@@ -77,6 +80,19 @@ def test_matching() -> None:
     assert GenerationItem("p", r"\d+ apples", "regex").passes(" 12 apples ")
     assert not GenerationItem("p", r"\d+", "regex").passes("12 apples")
     assert GenerationItem("p", r"Dear .*, thanks", "regex").passes("Dear Ann,\nBob, thanks")
+
+
+def test_json_answers() -> None:
+    [any_json, exact_json] = parse_eval_set(jsonl(
+        {"prompt": "p", "match": "json"},
+        {"prompt": "p", "match": "json", "expected": '{"answer": 4}'},
+    )).items
+    assert any_json == GenerationItem("p", None, "json")
+    assert any_json.passes(' {"answer": "Paris"}\n') and any_json.passes("[1, 2]")
+    assert not any_json.passes('{"answer": "Paris"') and not any_json.passes("Paris")
+    assert not any_json.passes('{"a": 1} trailing')
+    assert not any_json.passes("[" * 100_000 + "]" * 100_000)  # past the parser's depth
+    assert exact_json.passes('{ "answer" : 4 }') and not exact_json.passes('{"answer": 5}')
 
 
 def test_a_catastrophic_pattern_fails_its_item_in_bounded_time() -> None:

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Annotated
 
-from fastapi import APIRouter, Request, Response
+from fastapi import APIRouter, Query, Request, Response
 from starlette.requests import ClientDisconnect
 
 from app.api.deps import AdminPrincipal, audit_context, require_scope
@@ -34,8 +34,9 @@ from app.api.schemas.adapters import (
 )
 from app.api.state import AppState, AppStateDep
 from app.audit import AuditContext
-from app.core.errors import Unavailable
+from app.core.errors import InvalidInput, Unavailable
 from app.core.principal import Principal
+from app.evals.dataset import EvalSetError, parse_eval_set
 from app.registry.object_store import StoreUnavailable
 from app.registry.service import AdapterRegistry
 from app.registry.upload_form import (
@@ -129,23 +130,31 @@ async def admin_upload(
 
 async def upload_for_admin(request: Request, state: AppState, *, by: AuditContext
                            ) -> AdapterUploadOut:
-    """The admin upload form (file, name, tenant_id: omitted = shared), streamed into the
-    registry; the admin API and the admin UI both take uploads through here."""
+    """The admin upload form (file, name, tenant_id: omitted = shared; stage: "true" keeps
+    the version staged until promoted), streamed into the registry; the admin API and the
+    admin UI both take uploads through here."""
     registry = state.registry
     async with received_upload(
-        request, registry, text_fields=frozenset({"name", "tenant_id"})
+        request, registry, text_fields=frozenset({"name", "tenant_id", "stage"})
     ) as form:
+        stage = form.fields.get("stage", "").lower()
+        if stage not in ("", "true", "false"):
+            raise InvalidInput("'stage' must be true or false.", param="stage")
         version = await registry.upload(
             form.file,
             name=form.fields["name"],
             tenant_id=form.fields.get("tenant_id") or None,
             by=by,
+            stage=stage == "true",
         )
-    return await _uploaded(state, version)
+    return await _uploaded(state, version, by)
 
 
-async def _uploaded(state: AppState, version: VersionView) -> AdapterUploadOut:
+async def _uploaded(state: AppState, version: VersionView, by: AuditContext
+                    ) -> AdapterUploadOut:
     await _refresh(state)
+    # A staged version of a gated adapter: its gate eval runs in the background.
+    state.evals.start_gate(version, by)
     adapter = await asyncio.to_thread(state.registry.get_adapter, version.adapter_id)
     return AdapterUploadOut.of_upload(adapter, version)
 
@@ -162,11 +171,11 @@ async def admin_import(
 ) -> AdapterUploadOut:
     """An adapter from an object store prefix (`s3://bucket/path/`, read with the server's
     AWS credentials), checked as an upload; 201 with the same body."""
+    by = audit_context(request, principal)
     version = await state.registry.import_url(
-        body.source, name=body.name, tenant_id=body.tenant_id,
-        by=audit_context(request, principal),
+        body.source, name=body.name, tenant_id=body.tenant_id, by=by,
     )
-    uploaded = await _uploaded(state, version)
+    uploaded = await _uploaded(state, version, by)
     response.headers["Location"] = f"{ADMIN_ADAPTERS}/{uploaded.id}"
     return uploaded
 
@@ -262,6 +271,66 @@ def admin_get_eval(adapter_id: str, eval_id: str, principal: AdminPrincipal,
     return EvalOut.of(view)
 
 
+# ------------------------------------------------------------------- promotion gate
+
+
+@router.put(
+    ADMIN_ADAPTERS + "/{adapter_id}/gate", response_model=AdapterOut,
+    responses=error_responses(400, 404), openapi_extra=EVAL_SET_BODY,
+)
+async def admin_set_gate(
+    adapter_id: str, request: Request, principal: AdminPrincipal, state: AppStateDep,
+    threshold: Annotated[float | None, Query(ge=0.0, le=1.0)] = None,
+) -> AdapterOut:
+    """Turn the adapter's promotion gate on, with its eval set (the body: JSONL, as for an
+    eval) and an optional minimum score: from now on each new version is staged, run
+    through the set, and promoted only if it scores at least what the current version
+    does (and `threshold`)."""
+    data = await request.body()
+    try:
+        await asyncio.to_thread(parse_eval_set, data)
+    except EvalSetError as e:
+        raise InvalidInput(str(e), code="invalid_eval_set") from None
+    view = await asyncio.to_thread(state.registry.set_gate, adapter_id, data, threshold,
+                                   by=audit_context(request, principal))
+    return AdapterOut.of(view)
+
+
+@router.delete(ADMIN_ADAPTERS + "/{adapter_id}/gate", response_model=AdapterOut,
+               responses=error_responses(404))
+async def admin_clear_gate(adapter_id: str, request: Request, principal: AdminPrincipal,
+                           state: AppStateDep) -> AdapterOut:
+    """Turn the gate off: new versions are current once ready (staged ones stay staged
+    until promoted)."""
+    view = await asyncio.to_thread(state.registry.set_gate, adapter_id, None, None,
+                                   by=audit_context(request, principal))
+    return AdapterOut.of(view)
+
+
+@router.post(ADMIN_ADAPTERS + "/{adapter_id}/promote", response_model=AdapterOut,
+             responses=error_responses(404, 409))
+async def admin_promote(adapter_id: str, version: int, request: Request,
+                        principal: AdminPrincipal, state: AppStateDep) -> AdapterOut:
+    """A staged version becomes what plain `name` resolves to (409 for a version that is
+    not ready, not staged, or older than the current one)."""
+    view = await asyncio.to_thread(state.registry.promote, adapter_id, version,
+                                   by=audit_context(request, principal))
+    await _refresh(state)
+    return AdapterOut.of(view)
+
+
+@router.post(ADMIN_ADAPTERS + "/{adapter_id}/rollback", response_model=AdapterOut,
+             responses=error_responses(404, 409))
+async def admin_rollback(adapter_id: str, request: Request, principal: AdminPrincipal,
+                         state: AppStateDep) -> AdapterOut:
+    """The current version goes back to staged: plain `name` resolves to the promoted
+    version before it again (409 when there is none)."""
+    view = await asyncio.to_thread(state.registry.rollback, adapter_id,
+                                   by=audit_context(request, principal))
+    await _refresh(state)
+    return AdapterOut.of(view)
+
+
 # ----------------------------------------------------------------------------- tenant
 
 
@@ -282,14 +351,15 @@ async def tenant_upload(
         text_fields=frozenset({"name"}),
         unknown_field_messages={"tenant_id": _NO_TENANT_FIELD},
     ) as form:
+        by = audit_context(request, principal)
         version = await registry.upload(
             form.file,
             name=form.fields["name"],
             tenant_id=principal.tenant_id,
-            by=audit_context(request, principal),
+            by=by,
             enforce_quota=principal.tenant is not None,
         )
-    uploaded = await _uploaded(state, version)
+    uploaded = await _uploaded(state, version, by)
     response.headers["Location"] = f"{TENANT_ADAPTERS}/{uploaded.id}"
     return uploaded
 

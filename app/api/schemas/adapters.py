@@ -24,6 +24,8 @@ class VersionFields(BaseModel):
 
     version: int
     status: AdapterStatus
+    # Ready but not what plain `name` resolves to until promoted (the promotion gate).
+    staged: bool
     # ready: rank, alpha, use_rslora, target_modules, size_bytes, ...; failed: error
     report: dict[str, Any]
     sha256: str | None
@@ -60,8 +62,12 @@ class AdapterOut(BaseModel):
     id: str
     name: str
     tenant_id: str | None
-    # The version plain `name` resolves to: the newest ready one.
+    # The version plain `name` resolves to: the newest ready one not staged.
     latest_version: int | None
+    # The promotion gate: new versions are staged until they score at least what the
+    # current one does on the gate's eval set (and gate_threshold, where set).
+    gated: bool
+    gate_threshold: float | None
     created_at: int
     updated_at: int
     deleted_at: int | None
@@ -74,6 +80,8 @@ class AdapterOut(BaseModel):
             name=view.name,
             tenant_id=view.tenant_id,
             latest_version=view.latest_ready,
+            gated=view.gated,
+            gate_threshold=view.gate_threshold,
             created_at=_unix(view.created_at),
             updated_at=_unix(view.updated_at),
             deleted_at=None if view.deleted_at is None else _unix(view.deleted_at),
@@ -118,6 +126,7 @@ class AdminAdapterUpload(AdapterUpload):
     """The admin upload form (POST /admin/adapters)."""
 
     tenant_id: str = ""  # omitted or empty: shared with every tenant
+    stage: Literal["", "true", "false"] = ""  # "true": staged until promoted (the gate)
 
 
 class AdapterImport(BaseModel):
@@ -157,6 +166,8 @@ class EvalOut(BaseModel):
     created_by: str | None
     created_at: int
     finished_at: int | None
+    gate: bool  # run by the promotion gate on a staged version
+    gate_outcome: str | None  # once done: "promoted", or why the version stays staged
 
     @classmethod
     def of(cls, view: EvalView) -> EvalOut:
@@ -167,6 +178,7 @@ class EvalOut(BaseModel):
             done_items=view.done_items, total_items=view.total_items, scores=view.scores,
             error=view.error, created_by=view.created_by, created_at=_unix(view.created_at),
             finished_at=None if view.finished_at is None else _unix(view.finished_at),
+            gate=view.gate, gate_outcome=view.gate_outcome,
         )
 
 
