@@ -220,6 +220,17 @@ RULES: dict[str, Rule] = {
                                                    "adapter"),
     "GET /admin/adapters/{adapter_id}/evals/{eval_id}": Rule(
         AD, 404, "/admin/adapters/{}/evals/evl_0000", "adapter"),
+    # The promotion gate (tests/evals/test_promotion_gate.py runs it for real): here an
+    # empty gate set is 400, promoting a version that does not exist and rolling back an
+    # adapter with one version are 409.
+    "PUT /admin/adapters/{adapter_id}/gate": Rule(AD, 400, "/admin/adapters/{}/gate",
+                                                  "adapter"),
+    "DELETE /admin/adapters/{adapter_id}/gate": Rule(AD, 200, "/admin/adapters/{}/gate",
+                                                     "adapter"),
+    "POST /admin/adapters/{adapter_id}/promote": Rule(
+        AD, 409, "/admin/adapters/{}/promote?version=99", "adapter"),
+    "POST /admin/adapters/{adapter_id}/rollback": Rule(AD, 409, "/admin/adapters/{}/rollback",
+                                                       "adapter"),
     # vLLM's dynamic LoRA calls (tests/app/test_dynamic_lora.py loads for real): an admin's
     # relative path is 400, an unknown name 404.
     "POST /v1/load_lora_adapter": Rule(AD, 400, "/v1/load_lora_adapter",

@@ -19,14 +19,11 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from app.core.config import Settings
-from app.main import create_app
 from engine.async_engine import AsyncEngine
-from engine.config import EngineConfig
 from tests.utils.hf_oracle import hf_model, peft_model
-from tests.utils.live_server import serve_in_thread
 from tests.utils.peft_adapters import make_peft_adapter
-from tests.utils.saas import ADMIN_KEY, SECRET_KEY, bearer, tar_gz
+from tests.utils.saas import ADMIN_KEY, bearer, tar_gz
+from tests.utils.tiny_server import serve_registry
 
 ADMIN = bearer(ADMIN_KEY)
 CHOICE_ITEMS = [
@@ -62,23 +59,13 @@ def live(tiny_model_factory: Callable[[str], Path],
     adapters = {v: make_peft_adapter(base, root / f"v{v}", r=8, alpha=64,
                                      targets=("q_proj", "v_proj", "o_proj"), seed=50 + v)
                 for v in (1, 2)}
-    engine = AsyncEngine(EngineConfig(model=str(base), max_loras=2, max_lora_rank=8,
-                                      device="cpu", dtype="float32"))
-    engine.start_sync()
-    app = create_app(engine, Settings(
-        data_dir=root / "data", database_url=f"sqlite:///{root / 'db.sqlite'}",
-        admin_key=ADMIN_KEY, secret_key=SECRET_KEY,
-    ))
-    try:
-        with serve_in_thread(app) as url:
-            for path in adapters.values():
-                r = httpx.post(url + "/admin/adapters", headers=ADMIN, data={"name": "bot"},
-                               files={"file": ("a.tar.gz", tar_gz(path), "application/gzip")},
-                               timeout=60)
-                assert r.status_code == 201, r.text
-            yield Live(url, base, adapters, r.json()["id"], engine)
-    finally:
-        asyncio.run(engine.shutdown())
+    with serve_registry(base, root) as (url, engine):
+        for path in adapters.values():
+            r = httpx.post(url + "/admin/adapters", headers=ADMIN, data={"name": "bot"},
+                           files={"file": ("a.tar.gz", tar_gz(path), "application/gzip")},
+                           timeout=60)
+            assert r.status_code == 201, r.text
+        yield Live(url, base, adapters, r.json()["id"], engine)
 
 
 @torch.inference_mode()

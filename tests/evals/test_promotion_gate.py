@@ -6,7 +6,6 @@ staged uploads and the CLI, and what each refuses."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import threading
 import time
@@ -19,13 +18,9 @@ import httpx
 import pytest
 from click.testing import CliRunner
 
-from app.core.config import Settings
-from app.main import create_app
-from engine.async_engine import AsyncEngine
-from engine.config import EngineConfig
-from tests.utils.live_server import serve_in_thread
 from tests.utils.peft_adapters import make_peft_adapter
-from tests.utils.saas import ADMIN_KEY, SECRET_KEY, bearer, tar_gz
+from tests.utils.saas import ADMIN_KEY, bearer, tar_gz
+from tests.utils.tiny_server import serve_registry
 
 ADMIN = bearer(ADMIN_KEY)
 PROMPTS = ["Name a fruit.", "Say something about the sea.", "Count to three.",
@@ -80,18 +75,8 @@ def live(tiny_model_factory: Callable[[str], Path],
     adapters = {name: make_peft_adapter(base, root / name, r=8, alpha=64,
                                         targets=("q_proj", "v_proj", "o_proj"), seed=seed)
                 for name, seed in (("good", 70), ("worse", 71))}
-    engine = AsyncEngine(EngineConfig(model=str(base), max_loras=4, max_lora_rank=8,
-                                      device="cpu", dtype="float32"))
-    engine.start_sync()
-    app = create_app(engine, Settings(
-        data_dir=root / "data", database_url=f"sqlite:///{root / 'db.sqlite'}",
-        admin_key=ADMIN_KEY, secret_key=SECRET_KEY,
-    ))
-    try:
-        with serve_in_thread(app) as url:
-            yield Live(url, adapters)
-    finally:
-        asyncio.run(engine.shutdown())
+    with serve_registry(base, root, max_loras=4) as (url, _):
+        yield Live(url, adapters)
 
 
 def test_a_gated_adapter_keeps_a_worse_version_staged_and_promotes_a_good_one(

@@ -286,6 +286,7 @@ async def admin_set_gate(
     eval) and an optional minimum score: from now on each new version is staged, run
     through the set, and promoted only if it scores at least what the current version
     does (and `threshold`)."""
+    await asyncio.to_thread(state.registry.get_adapter, adapter_id)  # 404 before the set
     data = await request.body()
     try:
         await asyncio.to_thread(parse_eval_set, data)
