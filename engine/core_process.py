@@ -48,6 +48,7 @@ from engine.client import (
 )
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError, EngineUnavailable
+from engine.remote.tokenizer import LocalTokenizer, TokenizingClient
 from engine.request import EngineRequest, RequestOutput
 from engine.runtime.host_memory import share_one_heap
 from engine.structured import CompiledGrammar, StructuredOutput
@@ -259,7 +260,7 @@ def serve_core(config: EngineConfig, conn: Connection) -> None:
 # -- the server process ------------------------------------------------------------------
 
 
-class ProcessEngine:
+class ProcessEngine(TokenizingClient):
     """EngineClient of an engine that steps in a process of its own (see the module's
     docstring)."""
 
@@ -270,7 +271,6 @@ class ProcessEngine:
         self._send_lock = threading.Lock()
         self._streams = StreamTable()
         self._ready: _Ready | None = None
-        self._tokenizer: Any = None  # engine.remote.tokenizer.LocalTokenizer
         self._adapters: dict[str, AdapterInfo] = {}
         self._stats: EngineStats | None = None
         self._stats_at = 0.0
@@ -291,8 +291,6 @@ class ProcessEngine:
 
     def start_sync(self) -> None:
         assert self._process is None, "engine already started"
-        from engine.remote.tokenizer import LocalTokenizer  # the tokenizer, not the weights
-
         context = multiprocessing.get_context("spawn")  # no fork of a threaded process
         ours, theirs = context.Pipe()
         self._process = context.Process(
@@ -430,21 +428,6 @@ class ProcessEngine:
     @property
     def vocab_size(self) -> int:
         return self.ready_info.vocab_size
-
-    def encode(self, text: str) -> list[int]:
-        return self._tokenizer.encode(text)
-
-    def apply_chat_template(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
-    ) -> list[int]:
-        return self._tokenizer.apply_chat_template(messages, tools)
-
-    @property
-    def chat_template_has_tools(self) -> bool:
-        return bool(self._tokenizer.chat_template_has_tools)
-
-    def token_text(self, token_id: int) -> str:
-        return self._tokenizer.token_text(token_id)
 
     def check_structured_output(self, spec: StructuredOutput) -> None:
         # Blocking, as the protocol allows: the engine's compiler and cache answer it.

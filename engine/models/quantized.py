@@ -16,8 +16,11 @@ precision the bundled SmolLM2's embeddings ship in, so that model loses nothing 
   capability 8.9; not served on CUDA in this version either.
 
 Steps of up to DENSE_ROWS rows (decode, small prefills) run the C kernel on the integers;
-larger ones dequantize a layer at a time into a float32 matrix and run a dense matmul on
-it, which is faster there (docs/BENCHMARKS.md, "Quantized base models").
+larger ones dequantize a layer at a time and run a dense matmul on it, which is faster
+there (docs/BENCHMARKS.md, "Quantized base models"): in float32, or, for bf16
+activations on a CPU with AMX-BF16, on the weights rounded to bf16, as the bf16 engine's
+own weights are (a float32 matmul there runs at a sixth of a bf16 one: a prefill step of
+a quantized base took 3-4x the bf16 base's).
 """
 
 from __future__ import annotations
@@ -121,10 +124,15 @@ class QuantLinear(nn.Module):
             x = x.index_select(-1, self.input_order)
         if x.dim() == 2 and x.shape[0] <= DENSE_ROWS:
             return cpu_quant.linear(x, self.quantized, self.bias_f32)
-        # NOTE: the dense path computes in float32 whatever x's dtype is: this CPU's bf16
-        # matmul may be slower than float32's (engine/runtime/cpu_features.py).
         w = cpu_quant.dequantize(self.quantized)
         flat = x.reshape(-1, self.in_features)
+        if x.dtype == torch.bfloat16 and bf16_dense_is_fast():
+            y = torch.nn.functional.linear(flat, w.to(torch.bfloat16))
+            if self.bias_f32 is not None:
+                y = (y.float() + self.bias_f32).to(torch.bfloat16)
+            return y.reshape(*x.shape[:-1], self.out_features)
+        # NOTE: elsewhere in float32 whatever x's dtype is: a CPU without AMX may multiply
+        # bf16 slower than float32 (engine/runtime/cpu_features.py).
         y = torch.nn.functional.linear(flat.float(), w, self.bias_f32)
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
@@ -132,6 +140,13 @@ class QuantLinear(nn.Module):
         q = self.quantized
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"int{q.bits}, group {q.group_size}")
+
+
+def bf16_dense_is_fast() -> bool:
+    """Whether a dense bf16 matmul beats float32's by far on this CPU (AMX-BF16 tiles)."""
+    from engine.runtime.cpu_features import detect_cpu_features
+
+    return detect_cpu_features().amx_bf16
 
 
 def quantize_linears(module: nn.Module, spec: QuantizationSpec) -> int:

@@ -40,7 +40,7 @@ from engine.remote.calls import AdapterMissing, WorkerFailed, post, stream_gener
 from engine.remote.heartbeat import read_heartbeats
 from engine.remote.protocol import ABORT_PATH, encode_request
 from engine.remote.routing import Candidate, LoadBound, RouteQuery, choose_worker
-from engine.remote.tokenizer import Tokenizing
+from engine.remote.tokenizer import Tokenizing, TokenizingClient
 from engine.remote.workers import KnownWorker, WorkerPool
 from engine.request import EngineRequest, RequestOutput
 from engine.structured import StructuredOutput
@@ -62,7 +62,7 @@ class _Pin:
     created: float
 
 
-class RemoteEngine:
+class RemoteEngine(TokenizingClient):
     def __init__(
         self,
         *,
@@ -167,29 +167,14 @@ class RemoteEngine:
         lens = [w.beat.max_model_len for w in self.pool.in_rotation()]
         return min(lens) if lens else self._default_max_model_len
 
-    def encode(self, text: str) -> list[int]:
-        return self._tokenizer.encode(text)
-
     @property
     def vocab_size(self) -> int:
         return self._tokenizer.vocab_size
-
-    def apply_chat_template(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
-    ) -> list[int]:
-        return self._tokenizer.apply_chat_template(messages, tools)
-
-    @property
-    def chat_template_has_tools(self) -> bool:
-        return self._tokenizer.chat_template_has_tools
 
     def check_structured_output(self, spec: StructuredOutput) -> None:
         # NOTE: on this process's own compiler (the tokenizer's): the worker that gets the
         # request compiles the spec again, so a refusal here is never a round trip.
         self._tokenizer.check_structured_output(spec)
-
-    def token_text(self, token_id: int) -> str:
-        return self._tokenizer.token_text(token_id)
 
     def is_ready(self) -> bool:
         return self._started and bool(self.pool.in_rotation())

@@ -37,6 +37,29 @@ class Tokenizing(Protocol):
     def check_structured_output(self, spec: StructuredOutput) -> None: ...
 
 
+class TokenizingClient:
+    """EngineClient's tokenizing methods, answered by a tokenizer in this process
+    (`_tokenizer`): engines whose model is elsewhere (a gateway's workers, an engine
+    process) tokenize here, exactly as the in-process engine does."""
+
+    _tokenizer: Tokenizing
+
+    def encode(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text)
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
+        return self._tokenizer.apply_chat_template(messages, tools)
+
+    @property
+    def chat_template_has_tools(self) -> bool:
+        return self._tokenizer.chat_template_has_tools
+
+    def token_text(self, token_id: int) -> str:
+        return self._tokenizer.token_text(token_id)
+
+
 class LocalTokenizer:
     def __init__(self, model: str, data_dir: Path) -> None:
         """model: "default" (the bundled SmolLM2, converted on first use) or a directory."""

@@ -142,3 +142,29 @@ def test_a_vocabulary_off_the_kernels_blocks_keeps_its_embeddings(
     hf = hf_logprobs(oracle, torch.float32, prompt, tokens)
     assert all(abs(lp - float(hf[i, t])) <= LOGPROB_TOL
                for i, (t, lp) in enumerate(zip(tokens, logprobs, strict=True)))
+
+
+@pytest.mark.parametrize("amx", [True, False])
+def test_a_long_bf16_step_multiplies_the_dequantized_weights_densely(
+    amx: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past DENSE_ROWS rows a layer is dequantized and multiplied densely: on an AMX-BF16
+    CPU in bf16 (the weights rounded to bf16, as the bf16 engine's own are), elsewhere in
+    float32; both within bf16's rounding of the float32 product."""
+    from engine.models import quantized
+
+    gen = torch.Generator().manual_seed(5)
+    qw = cpu_quant.quantize(torch.randn(96, 128, generator=gen), 8, None)
+    bias = torch.randn(96, generator=gen)
+    layer = QuantLinear(qw, bias)
+    x = torch.randn(quantized.DENSE_ROWS + 40, 128, generator=gen).to(torch.bfloat16)
+    monkeypatch.setattr(quantized, "bf16_dense_is_fast", lambda: amx)
+    y = layer(x)
+    w = cpu_quant.dequantize(qw)
+    if amx:
+        expected = (torch.nn.functional.linear(x, w.to(torch.bfloat16)).float() + bias)
+    else:
+        expected = torch.nn.functional.linear(x.float(), w, bias)
+    assert y.dtype == torch.bfloat16 and torch.equal(y, expected.to(torch.bfloat16))
+    exact = torch.nn.functional.linear(x.float(), w, bias)
+    assert torch.allclose(y.float(), exact, rtol=2e-2, atol=0.1 * float(exact.abs().mean()))
