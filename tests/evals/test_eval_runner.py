@@ -11,7 +11,9 @@ from engine.testing import FakeEngine
 
 
 async def _most_at_once(engine: FakeEngine, num_items: int) -> tuple[float, int]:
-    items = [GenerationItem(f"item {i}", "never", max_tokens=4) for i in range(num_items)]
+    # Each item lasts ~30 token delays: far longer than the runner takes to start the next
+    # one (a first output and a poll), even on a loaded machine.
+    items = [GenerationItem(f"item {i}", "never", max_tokens=30) for i in range(num_items)]
     most = 0
 
     async def watch() -> None:
