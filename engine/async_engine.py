@@ -7,21 +7,13 @@ import concurrent.futures
 import contextlib
 import logging
 import threading
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from engine.chat_template import render_chat_ids, template_has_tools
-from engine.client import (
-    AdapterInfo,
-    AdapterPlacement,
-    EngineStats,
-    Route,
-    RouteHint,
-    WorkerStatus,
-    local_worker,
-)
+from engine.client import AdapterInfo, AdapterPlacement, EngineStats, RunsItsOwnRequests
 from engine.config import EngineConfig
 from engine.core.engine_core import EngineCore
 from engine.core.model_runner import dtype_name
@@ -123,7 +115,7 @@ async def read_stream(stream: _Stream) -> AsyncIterator[RequestOutput]:
             return
 
 
-class AsyncEngine:
+class AsyncEngine(RunsItsOwnRequests):
     """Thread-safe front of `EngineCore`.
 
     NOTE: the core is touched only by the step thread. Callers hand it adds and aborts
@@ -183,9 +175,7 @@ class AsyncEngine:
         self._run()
 
     async def shutdown(self) -> None:
-        with self._lock:
-            self._stopping = True
-            self._lock.notify_all()
+        self._request_stop()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 30.0)
         self._adapter_reads.shutdown(wait=False, cancel_futures=True)
@@ -365,19 +355,19 @@ class AsyncEngine:
         # Building it reads the whole vocabulary: off the event loop, once.
         return await asyncio.to_thread(lambda: constrained.compiler)
 
-    def route(self, request_ids: Sequence[str], hint: RouteHint) -> Route | None:
-        return None  # every request runs here
-
-    def release(self, request_ids: Sequence[str]) -> None:
-        pass  # nothing was reserved for them
-
-    def workers(self) -> list[WorkerStatus]:
-        return [local_worker(self)]
-
     def abort(self, request_id: str) -> None:
         self._streams.close(request_id)
+        self._queue_abort(request_id)
+
+    def _queue_abort(self, request_id: str) -> None:
         with self._lock:
             self._pending_aborts.append(request_id)
+            self._lock.notify_all()
+
+    def _request_stop(self) -> None:
+        """Have the step loop return at its next turn."""
+        with self._lock:
+            self._stopping = True
             self._lock.notify_all()
 
     def _wake(self) -> None:

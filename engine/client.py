@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from engine.errors import (
     AdapterError,
@@ -256,6 +256,20 @@ class EngineClient(Protocol):
         ...
 
     async def shutdown(self) -> None: ...
+
+
+class RunsItsOwnRequests:
+    """EngineClient's routing for an engine of one worker, this server's (in process or in
+    a process of its own): nothing to choose, nothing to reserve."""
+
+    def route(self, request_ids: Sequence[str], hint: RouteHint) -> Route | None:
+        return None  # every request runs here
+
+    def release(self, request_ids: Sequence[str]) -> None:
+        pass  # nothing was reserved for them
+
+    def workers(self) -> list[WorkerStatus]:
+        return [local_worker(cast(EngineClient, self))]
 
 
 def local_worker(engine: EngineClient) -> WorkerStatus:

@@ -2,13 +2,16 @@
 in-process `AsyncEngine`, for a server whose event loop must not share an interpreter with
 the step loop.
 
-NOTE: in one process the step thread and the event loop take turns on one GIL. On a
-2-core CPU every turn the event loop takes (parsing a request, streaming a token) holds
-the step's Python back and, through it, the step's OpenMP team at its next barrier: the
-served burst ran 15-20% below the same engine stepped on its own. Here the engine process
-runs `EngineCore.step()` on its main thread, and the server's process talks to it over a
-pipe (pickled messages, one per step with every output of that step), as vLLM runs its
-API server and engine core apart.
+In one process the step thread and the event loop take turns on one GIL. Here the
+engine process runs `EngineCore.step()` on its main thread, and the server's process talks
+to it over a pipe (pickled messages, one per step with every output of that step), as
+vLLM runs its API server and engine core apart. A crash in the engine (a kernel, the OOM
+killer) then fails its requests and drains the server instead of killing it.
+
+NOTE: on a 2-core CPU this served the bf16 burst no faster than the thread
+(docs/BENCHMARKS.md, "The engine in a process of its own"): the server's process used
+0.48 s of CPU in a 7 s burst, and takes it from a core the engine's OpenMP team runs on
+either way. Hence off by default (`--engine-process`).
 
 The server process keeps what it needs between messages: the tokenizer (prompts are
 tokenized and chat templates rendered there), the adapters served (a mirror updated by
@@ -31,21 +34,13 @@ import pickle
 import signal
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 from typing import Any
 
 from engine.async_engine import AsyncEngine, StreamTable, read_stream
-from engine.client import (
-    AdapterInfo,
-    AdapterPlacement,
-    EngineStats,
-    Route,
-    RouteHint,
-    WorkerStatus,
-    local_worker,
-)
+from engine.client import AdapterInfo, AdapterPlacement, EngineStats, RunsItsOwnRequests
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError, EngineUnavailable
 from engine.remote.tokenizer import LocalTokenizer, TokenizingClient
@@ -127,7 +122,7 @@ class _CoreHost(AsyncEngine):
             try:
                 self._conn.send(message)
             except (OSError, ValueError):  # the server process is gone: stop stepping
-                self._stop()
+                self._request_stop()
 
     def serve(self) -> None:
         loaded: concurrent.futures.Future[None] = concurrent.futures.Future()
@@ -150,29 +145,22 @@ class _CoreHost(AsyncEngine):
         )))
         threading.Thread(target=self._receive, name="loraplex-engine-recv", daemon=True).start()
 
-    def _stop(self) -> None:
-        with self._lock:
-            self._stopping = True
-            self._lock.notify_all()
-
     def _receive(self) -> None:
         while True:
             try:
                 message = self._conn.recv()
             except (EOFError, OSError):
-                self._stop()  # the server process is gone
+                self._request_stop()  # the server process is gone
                 return
             kind = message[0]
             if kind == "add":
                 self._add(message[1])
             elif kind == "abort":
-                with self._lock:
-                    self._pending_aborts.append(message[1])
-                    self._lock.notify_all()
+                self._queue_abort(message[1])
             elif kind == "call":
                 self._call(message[1], message[2], message[3])
             elif kind == "stop":
-                self._stop()
+                self._request_stop()
                 return
 
     def _add(self, request: EngineRequest) -> None:
@@ -226,12 +214,11 @@ class _CoreHost(AsyncEngine):
             reply(remove)
         elif name == "add_adapter":
             def add() -> AdapterInfo:
-                def load_and_register() -> AdapterInfo:
-                    info = core.register_adapter(args[0], core.load_adapter(args[0], args[1]))
-                    self._wake()
-                    return info
-                return self._adapter_reads.submit(load_and_register).result()
-            self._calls.submit(reply, add)
+                info = core.register_adapter(args[0], core.load_adapter(args[0], args[1]))
+                self._wake()
+                return info
+            # Read and checked on the adapter reads' thread (one core), as in process.
+            self._adapter_reads.submit(reply, add)
         elif name == "check_structured":
             def check() -> None:
                 core.constrained.compiler.compile(args[0])  # cached for the request's own
@@ -260,7 +247,7 @@ def serve_core(config: EngineConfig, conn: Connection) -> None:
 # -- the server process ------------------------------------------------------------------
 
 
-class ProcessEngine(TokenizingClient):
+class ProcessEngine(TokenizingClient, RunsItsOwnRequests):
     """EngineClient of an engine that steps in a process of its own (see the module's
     docstring)."""
 
@@ -280,7 +267,6 @@ class ProcessEngine(TokenizingClient):
         self._calls_lock = threading.Lock()
         self._failure: str | None = None
         self._stopping = False
-        self._reader: threading.Thread | None = None
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -315,9 +301,7 @@ class ProcessEngine(TokenizingClient):
         self._ready = ready
         self._adapters = {info.name: info for info in ready.adapters}
         self._stats, self._stats_at = ready.stats, time.monotonic()
-        self._reader = threading.Thread(target=self._read, name="loraplex-engine-pipe",
-                                        daemon=True)
-        self._reader.start()
+        threading.Thread(target=self._read, name="loraplex-engine-pipe", daemon=True).start()
 
     async def shutdown(self) -> None:
         self._stopping = True
@@ -501,23 +485,12 @@ class ProcessEngine(TokenizingClient):
         if self._failure is not None:  # failed meanwhile: the reader may have missed it
             self._streams.close(request_id)
             raise EngineDeadError(f"engine failed: {self._failure}")
-        finished = False
         try:
             async for item in read_stream(stream):
-                finished = item.finished
                 yield item
         finally:
-            if not finished:
+            if not stream.finished:
                 self.abort(request_id)
-
-    def route(self, request_ids: Sequence[str], hint: RouteHint) -> Route | None:
-        return None  # every request runs in this server's engine
-
-    def release(self, request_ids: Sequence[str]) -> None:
-        pass  # nothing was reserved for them
-
-    def workers(self) -> list[WorkerStatus]:
-        return [local_worker(self)]
 
     def abort(self, request_id: str) -> None:
         self._streams.close(request_id)

@@ -30,15 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.client import (
-    AdapterInfo,
-    AdapterPlacement,
-    EngineStats,
-    Route,
-    RouteHint,
-    WorkerStatus,
-    local_worker,
-)
+from engine.client import AdapterInfo, AdapterPlacement, EngineStats, RunsItsOwnRequests
 from engine.errors import AdapterError, RequestRejected
 from engine.request import (
     EngineRequest,
@@ -88,7 +80,7 @@ def render_chat(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | No
     ) + "<|assistant|>"
 
 
-class FakeEngine:
+class FakeEngine(RunsItsOwnRequests):
     def __init__(
         self,
         *,
@@ -184,12 +176,6 @@ class FakeEngine:
             return bytes([token_id]).decode(errors="replace")
         return f"<{token_id}>"
 
-    def route(self, request_ids: Sequence[str], hint: RouteHint) -> Route | None:
-        return None
-
-    def release(self, request_ids: Sequence[str]) -> None:
-        pass
-
     def abort(self, request_id: str) -> None:
         self._abort_requested.add(request_id)
 
@@ -205,9 +191,6 @@ class FakeEngine:
             prefix_cache_queries=160,
             num_adapters=len(self.adapters),
         )
-
-    def workers(self) -> list[WorkerStatus]:
-        return [local_worker(self)]
 
     def is_ready(self) -> bool:
         return self.ready and not self.shut_down and self.failed is None

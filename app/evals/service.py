@@ -205,23 +205,21 @@ class EvalService:
 
     # -- the promotion gate ----------------------------------------------------------------
 
-    def start_gate(self, version: VersionView, by: AuditContext) -> bool:
+    def start_gate(self, version: VersionView, by: AuditContext) -> None:
         """After an upload made `version` (ready): if it is staged and its adapter has a
         gate set, run the gate eval in the background (once an eval of the adapter that is
-        already running ends). Returns whether a gate eval is on its way."""
+        already running ends)."""
         if not version.staged or version.status != AdapterStatus.READY:
-            return False
-        gate_set, _ = self.registry.gate_of(version.adapter_id)
-        if gate_set is None:
-            return False  # staged by hand: promoted by hand
+            return
         task = asyncio.get_running_loop().create_task(
-            self._gate_when_free(version, gate_set, by), name=f"gate-{version.id}")
+            self._gate_when_free(version, by), name=f"gate-{version.id}")
         self._gates.add(task)
         task.add_done_callback(self._gates.discard)
-        return True
 
-    async def _gate_when_free(self, version: VersionView, gate_set: bytes,
-                              by: AuditContext) -> None:
+    async def _gate_when_free(self, version: VersionView, by: AuditContext) -> None:
+        gate_set, _ = await asyncio.to_thread(self.registry.gate_of, version.adapter_id)
+        if gate_set is None:
+            return  # staged by hand: promoted by hand
         deadline = time.monotonic() + GATE_WAIT_S
         while True:
             try:

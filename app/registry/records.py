@@ -156,6 +156,8 @@ def finish_version(
 
 
 def _live_adapter(s: Session, adapter_id: str, owner: str | None) -> Adapter:
+    """The adapter, locked for the change; 404 for an unknown or deleted one and, with
+    owner, for anyone else's."""
     adapter = s.get(Adapter, adapter_id, with_for_update=True)
     if adapter is None or adapter.deleted_at is not None:
         raise adapter_not_found(adapter_id)
@@ -202,9 +204,9 @@ def rollback_version(
     promoted version before it again. Refused (409) when there is none to go back to."""
     adapter = _live_adapter(s, adapter_id, owner)
     current = adapter_view(adapter).current
-    older = [v for v in adapter.versions
-             if v.status == AdapterStatus.READY and not v.staged
-             and current is not None and v.version < current.version]
+    older = [] if current is None else [
+        v for v in adapter.versions
+        if v.status == AdapterStatus.READY and not v.staged and v.version < current.version]
     if current is None or not older:
         raise Conflict(f"'{adapter.name}' has no earlier promoted version to roll back to.",
                        code="nothing_to_roll_back")
@@ -245,11 +247,7 @@ def mark_deleted(
 ) -> tuple[AdapterView, list[str]]:
     """Delete an adapter and its versions; returns it and the engine names of the
     versions that were ready. owner None: any owner (admin)."""
-    adapter = s.get(Adapter, adapter_id, with_for_update=True)
-    if adapter is None or adapter.deleted_at is not None:
-        raise adapter_not_found(adapter_id)
-    if owner is not None and adapter.owner != owner:
-        raise adapter_not_found(adapter_id)
+    adapter = _live_adapter(s, adapter_id, owner)
     ready = [
         version_view(v, adapter).engine_name
         for v in adapter.versions

@@ -46,25 +46,29 @@ def _complete(client: httpx.Client, model: str) -> httpx.Response:
                                                 "max_tokens": 4, "temperature": 0})
 
 
-def _stream(base_url: str, key: str, body: dict[str, object],
-            started: concurrent.futures.Future[None]) -> tuple[str | None, str, bool]:
-    """(response id, text, ended with [DONE]) of one streamed completion."""
-    response_id, text, done = None, [], False
+def _stream_events(base_url: str, key: str, body: dict[str, object],
+                   started: concurrent.futures.Future[None]) -> list[object]:
+    """Every event of one streamed completion (its JSON, or the text [DONE])."""
+    events: list[object] = []
     with httpx.stream("POST", f"{base_url}/v1/completions", headers=bearer(key),
                       json={**body, "stream": True}, timeout=60) as response:
         assert response.status_code == 200, response.read()
         for line in response.iter_lines():
-            if not line.startswith("data: "):
-                continue
-            if line == "data: [DONE]":
-                done = True
-                break
-            chunk = json.loads(line.removeprefix("data: "))
-            response_id = chunk["id"]
-            text.extend(c["text"] for c in chunk["choices"])
-            if not started.done():
-                started.set_result(None)
-    return response_id, "".join(text), done
+            if line.startswith("data: "):
+                data = line.removeprefix("data: ")
+                events.append(data if data == "[DONE]" else json.loads(data))
+                if not started.done():
+                    started.set_result(None)
+    return events
+
+
+def _stream(base_url: str, key: str, body: dict[str, object],
+            started: concurrent.futures.Future[None]) -> tuple[str | None, str, bool]:
+    """(response id, text, ended with [DONE]) of one streamed completion."""
+    events = _stream_events(base_url, key, body, started)
+    chunks = [e for e in events if isinstance(e, dict)]
+    text = "".join(c["text"] for chunk in chunks for c in chunk["choices"])
+    return (chunks[-1]["id"] if chunks else None), text, events[-1:] == ["[DONE]"]
 
 
 def test_a_poisoned_request_fails_alone_while_other_tenants_stream(
@@ -148,22 +152,6 @@ def test_a_broken_device_makes_serve_report_and_exit_1(
         exit_code = server.proc.wait(30)
         assert exit_code == 1, server.tail()
         assert "the engine failed" in server.tail()
-
-
-def _stream_events(base_url: str, key: str, body: dict[str, object],
-                   started: concurrent.futures.Future[None]) -> list[object]:
-    """Every event of one streamed completion (its JSON, or the text [DONE])."""
-    events: list[object] = []
-    with httpx.stream("POST", f"{base_url}/v1/completions", headers=bearer(key),
-                      json={**body, "stream": True}, timeout=60) as response:
-        assert response.status_code == 200, response.read()
-        for line in response.iter_lines():
-            if line.startswith("data: "):
-                data = line.removeprefix("data: ")
-                events.append(data if data == "[DONE]" else json.loads(data))
-                if not started.done():
-                    started.set_result(None)
-    return events
 
 
 def _children(pid: int) -> list[int]:
