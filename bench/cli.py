@@ -15,6 +15,7 @@ from bench.grammar.run import GrammarOptions
 from bench.harness.options import options_command
 from bench.kernels import KernelsOptions
 from bench.long_prompts import LongPromptOptions
+from bench.prefill import PrefillAttentionOptions
 from bench.lora import LoRABenchOptions
 from bench.quantization import QuantKernelsOptions, QuantLoadOptions, QuantQualityOptions
 from bench.roofline import RooflineOptions
@@ -45,6 +46,15 @@ def roofline(options: RooflineOptions) -> None:
     from bench.roofline import run_roofline
 
     run_roofline(options)
+
+
+@bench.command("prefill-attention")
+@options_command(PrefillAttentionOptions)
+def prefill_attention(options: PrefillAttentionOptions) -> None:
+    """A new prompt's bf16 attention: torch's flash kernel vs loraplex's, and a prefill step."""
+    from bench.prefill import run_prefill_attention
+
+    run_prefill_attention(options)
 
 
 @bench.command("kernels")

@@ -137,17 +137,21 @@ class EngineConfig:
     # CPU: run linear layers on oneDNN-packed weights (see engine/models/cpu_linear.py).
     pack_cpu_weights: bool = True
     # CPU: the C kernels (loraplex_kernels/cpu_build.py). cpu_kernels False runs every op
-    # on its torch path (for comparisons), cpu_decode_kernel False decode attention alone;
-    # cpu_amx False keeps bf16 decode steps' linear layers on oneDNN and new prompts'
-    # attention on torch's kernel where the CPU has AMX (loraplex_kernels/cpu_amx.py; on,
-    # each such linear layer holds its weights twice);
-    # builds are cached in kernel_cache_dir (None: ~/.cache/loraplex/kernels). Defaults:
-    # LORAPLEX_CPU_KERNELS, LORAPLEX_CPU_DECODE_KERNEL and LORAPLEX_CPU_AMX ("0":
-    # off), LORAPLEX_KERNEL_CACHE.
+    # on its torch path (for comparisons), cpu_decode_kernel False decode attention alone,
+    # cpu_prefill_kernel False new bf16 prompts' attention alone (torch's flash kernel
+    # instead of loraplex_kernels/cpu_attention.py); cpu_amx False keeps bf16 decode
+    # steps' linear layers on oneDNN and new prompts' attention off AMX tiles where the CPU
+    # has them (loraplex_kernels/cpu_amx.py; on, each such linear layer holds its weights
+    # twice); builds are cached in kernel_cache_dir (None: ~/.cache/loraplex/kernels).
+    # Defaults: LORAPLEX_CPU_KERNELS, LORAPLEX_CPU_DECODE_KERNEL,
+    # LORAPLEX_CPU_PREFILL_KERNEL and LORAPLEX_CPU_AMX ("0": off), LORAPLEX_KERNEL_CACHE.
     # NOTE: the kernels are the process's: the last engine started in it sets them.
     cpu_kernels: bool = field(default_factory=lambda: env_switch("LORAPLEX_CPU_KERNELS"))
     cpu_decode_kernel: bool = field(
         default_factory=lambda: env_switch("LORAPLEX_CPU_DECODE_KERNEL")
+    )
+    cpu_prefill_kernel: bool = field(
+        default_factory=lambda: env_switch("LORAPLEX_CPU_PREFILL_KERNEL")
     )
     cpu_amx: bool = field(default_factory=lambda: env_switch("LORAPLEX_CPU_AMX"))
     kernel_cache_dir: Path | None = field(default_factory=env_cache_dir)
@@ -230,7 +234,8 @@ class EngineConfig:
     def kernel_settings(self) -> KernelSettings:
         return KernelSettings(
             enabled=self.cpu_kernels, decode_attention=self.cpu_decode_kernel,
-            amx=self.cpu_amx, cache_dir=self.kernel_cache_dir,
+            prefill_attention=self.cpu_prefill_kernel, amx=self.cpu_amx,
+            cache_dir=self.kernel_cache_dir,
         )
 
     @property

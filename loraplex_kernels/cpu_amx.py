@@ -1,5 +1,5 @@
-"""bf16 on AMX tiles: linear layers of up to 32 rows (the matmuls of a decode step), and
-the causal attention of a new prompt (`causal_attention`).
+"""bf16 on AMX tiles: linear layers of up to 32 rows (the matmuls of a decode step). A new
+prompt's causal attention runs on the tiles too, in loraplex_kernels/cpu_attention.py.
 
 At a few dozen rows a linear layer's time is the read of its weight matrix: each weight
 is used once per row. This kernel reads two weight streams per thread, laid out as the
@@ -33,9 +33,6 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.amx_linear_bf16.restype = ctypes.c_int
     lib.amx_linear_silu_mul_bf16.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64]
     lib.amx_linear_silu_mul_bf16.restype = ctypes.c_int
-    lib.amx_causal_attention_bf16.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, i64, i64, i64,
-                                              i64, ctypes.c_float, ptr, i64]
-    lib.amx_causal_attention_bf16.restype = ctypes.c_int
 
 
 _library = LazyLibrary(
@@ -118,32 +115,3 @@ def _linear(kernel: str, x: torch.Tensor, packed: torch.Tensor, out_features: in
         raise ValueError(f"the AMX linear kernel refused x {tuple(x.shape)}, "
                          f"{out_features} outputs")
     return y
-
-
-def attention_fits(head_dim: int) -> bool:
-    """Whether causal_attention takes heads of this size."""
-    return head_dim % 32 == 0 and 0 < head_dim <= 256
-
-
-def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                     scale: float) -> torch.Tensor:
-    """`reference.causal_attention` in bf16 on AMX tiles: query [L, H, D], key and value
-    [L, KVH, D] (heads and D contiguous, rows any stride apart) -> new [L, H, D]."""
-    lib = _granted_library()
-    length, heads, head_dim = query.shape
-    kv_heads = key.shape[1]
-    for t in (query, key, value):
-        assert t.dtype == torch.bfloat16 and t.stride(2) == 1 and t.stride(1) == head_dim
-    assert key.shape == value.shape == (length, kv_heads, head_dim), (key.shape, value.shape)
-    assert attention_fits(head_dim) and heads % kv_heads == 0
-    out = torch.empty(length, heads, head_dim, dtype=torch.bfloat16)
-    padded = -(-length // 32) * 32
-    work = torch.empty(2 * kv_heads * padded * head_dim, dtype=torch.bfloat16)
-    failed = lib.amx_causal_attention_bf16(
-        query.data_ptr(), query.stride(0), key.data_ptr(), key.stride(0), value.data_ptr(),
-        value.stride(0), out.data_ptr(), length, heads, kv_heads, head_dim, scale,
-        work.data_ptr(), torch.get_num_threads(),
-    )
-    if failed:
-        raise ValueError(f"the AMX attention kernel refused {tuple(query.shape)}")
-    return out

@@ -56,7 +56,8 @@ class KernelSettings:
 
     enabled: bool = True  # False: every kernel off, the torch paths run (for comparisons)
     decode_attention: bool = True  # the paged decode attention kernel
-    amx: bool = True  # the bf16 AMX kernels: few-row linears, prompt attention (cpu_amx.py)
+    prefill_attention: bool = True  # a new bf16 prompt's attention (cpu_attention.py)
+    amx: bool = True  # the bf16 AMX kernels: few-row linears, prompt attention on tiles
     cache_dir: Path | None = None  # None: ~/.cache/loraplex/kernels
 
 
@@ -74,6 +75,7 @@ def settings_from_env() -> KernelSettings:
     return KernelSettings(
         enabled=env_switch("LORAPLEX_CPU_KERNELS"),
         decode_attention=env_switch("LORAPLEX_CPU_DECODE_KERNEL"),
+        prefill_attention=env_switch("LORAPLEX_CPU_PREFILL_KERNEL"),
         amx=env_switch("LORAPLEX_CPU_AMX"),
         cache_dir=env_cache_dir(),
     )
