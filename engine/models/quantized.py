@@ -18,13 +18,15 @@ precision the bundled SmolLM2's embeddings ship in, so that model loses nothing 
 Steps of up to DENSE_ROWS rows (decode, small prefills) run the C kernel on the integers;
 larger ones dequantize a layer at a time and run a dense matmul on it, which is faster
 there (docs/BENCHMARKS.md, "Quantized base models"): in float32, or, for bf16
-activations on a CPU with AMX-BF16, on the weights rounded to bf16, as the bf16 engine's
-own weights are (a float32 matmul there runs at a sixth of a bf16 one: a prefill step of
-a quantized base took 3-4x the bf16 base's).
+activations on a CPU whose bf16 matmuls are the faster (AMX-BF16; AVX-512 BF16 where
+timed so, as `--dtype auto` times it), on the weights rounded to bf16, as the bf16
+engine's own weights are (a float32 matmul runs at a sixth of a bf16 one with AMX, a
+third on a Zen 4: a prefill step of a quantized base took 2-4x the bf16 base's).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
@@ -142,11 +144,13 @@ class QuantLinear(nn.Module):
                 f"int{q.bits}, group {q.group_size}")
 
 
+@functools.cache
 def bf16_dense_is_fast() -> bool:
-    """Whether a dense bf16 matmul beats float32's by far on this CPU (AMX-BF16 tiles)."""
-    from engine.runtime.cpu_features import detect_cpu_features
+    """Whether a dense bf16 matmul beats float32's on this CPU: where `--dtype auto` would
+    serve bf16 (AMX-BF16 tiles, or AVX-512 BF16 timed at least BF16_MIN_SPEEDUP faster)."""
+    from engine.runtime.cpu_features import auto_cpu_dtype
 
-    return detect_cpu_features().amx_bf16
+    return auto_cpu_dtype() == torch.bfloat16
 
 
 def quantize_linears(module: nn.Module, spec: QuantizationSpec) -> int:

@@ -148,9 +148,9 @@ def test_a_vocabulary_off_the_kernels_blocks_keeps_its_embeddings(
 def test_a_long_bf16_step_multiplies_the_dequantized_weights_densely(
     amx: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Past DENSE_ROWS rows a layer is dequantized and multiplied densely: on an AMX-BF16
-    CPU in bf16 (the weights rounded to bf16, as the bf16 engine's own are), elsewhere in
-    float32; both within bf16's rounding of the float32 product."""
+    """Past DENSE_ROWS rows a layer is dequantized and multiplied densely: where bf16
+    matmuls are the faster in bf16 (the weights rounded to bf16, as the bf16 engine's own
+    are), elsewhere in float32; both within bf16's rounding of the float32 product."""
     from engine.models import quantized
 
     gen = torch.Generator().manual_seed(5)
@@ -168,3 +168,19 @@ def test_a_long_bf16_step_multiplies_the_dequantized_weights_densely(
     assert y.dtype == torch.bfloat16 and torch.equal(y, expected.to(torch.bfloat16))
     exact = torch.nn.functional.linear(x.float(), w, bias)
     assert torch.allclose(y.float(), exact, rtol=2e-2, atol=0.1 * float(exact.abs().mean()))
+
+
+@pytest.mark.parametrize("picked", [torch.bfloat16, torch.float32])
+def test_the_dense_path_is_bf16_where_dtype_auto_would_serve_bf16(
+    monkeypatch: pytest.MonkeyPatch, picked: torch.dtype
+) -> None:
+    """AMX, or AVX-512 BF16 timed faster (a Zen 4): what `--dtype auto` decides, once."""
+    from engine.models import quantized
+    from engine.runtime import cpu_features
+
+    monkeypatch.setattr(cpu_features, "auto_cpu_dtype", lambda: picked)
+    quantized.bf16_dense_is_fast.cache_clear()
+    try:
+        assert quantized.bf16_dense_is_fast() is (picked == torch.bfloat16)
+    finally:
+        quantized.bf16_dense_is_fast.cache_clear()
