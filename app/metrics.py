@@ -123,6 +123,12 @@ class _EngineCollector(Collector):
             "loraplex_engine_steps", "Engine steps that ran a batch.", value=stats.num_steps
         )
         yield CounterMetricFamily(
+            "loraplex_engine_background_steps_cut",
+            "Steps of background requests only (the batch tier, adapter evals) cut short "
+            "between layers because a request of a higher tier arrived.",
+            value=stats.num_steps_cut,
+        )
+        yield CounterMetricFamily(
             "loraplex_engine_step_seconds",
             "Time in engine steps that ran a batch (divided by loraplex_engine_steps_total: "
             "the mean step time).",

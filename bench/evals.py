@@ -95,6 +95,7 @@ async def _eval_impact(opts: EvalImpactOptions) -> dict[str, Any]:
                 during = await phase()
                 progress = state.evals.get_eval(started.id)
                 report["eval_done_items_during_phase"] = progress.done_items
+                report["background_steps_cut"] = engine.stats().num_steps_cut
                 await state.evals.stop()  # what is left of it: not measured
         finally:
             await engine.shutdown()
@@ -103,7 +104,7 @@ async def _eval_impact(opts: EvalImpactOptions) -> dict[str, Any]:
     report["p99_ratio"] = round(report["during_eval_s"]["p99"] / report["without_eval_s"]["p99"],
                                 3)
     for key in ("without_eval_s", "during_eval_s", "p99_ratio",
-                "eval_done_items_during_phase"):
+                "eval_done_items_during_phase", "background_steps_cut"):
         print_row(key, report[key])
     write_report(report, opts.output)
     return report

@@ -255,6 +255,7 @@ class AsyncEngine(RunsItsOwnRequests):
             adapter_cache=None if core.adapter_cache is None else core.adapter_cache.stats(),
             num_step_failures=core.num_step_failures,
             num_steps=core.num_steps,
+            num_steps_cut=core.background.num_cut,
             kv_filled_slots=bm.filled_slots(list(core.scheduler.running)),
             block_size=bm.block_size,
             step_seconds=core.step_seconds,
@@ -337,6 +338,7 @@ class AsyncEngine(RunsItsOwnRequests):
                 dead = EngineDeadError("engine is shutting down")
             else:
                 self._pending_adds.append((request, grammar))
+                self.core.background.note_arrival(request.priority)
                 self._lock.notify_all()
         if dead is not None:
             self._streams.close(request_id)
@@ -401,6 +403,7 @@ class AsyncEngine(RunsItsOwnRequests):
                         return
                     adds, self._pending_adds = self._pending_adds, []
                     aborts, self._pending_aborts = self._pending_aborts, []
+                    core.background.take_in()
                 for request_id in aborts:
                     core.abort_request(request_id)
                 for request, grammar in adds:

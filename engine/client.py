@@ -94,6 +94,7 @@ class EngineStats:
     adapter_cache: AdapterCacheStats | None = None  # None: LoRA disabled
     num_step_failures: int = 0  # engine steps that raised, cumulative
     num_steps: int = 0  # engine steps that ran a batch, cumulative
+    num_steps_cut: int = 0  # background steps cut short (engine/core/background.py)
     # Slots of the blocks in use assigned to a running request's token (the rest of those
     # blocks' slots is paging's waste); block_size tokens a block.
     kv_filled_slots: int = 0

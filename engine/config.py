@@ -167,6 +167,11 @@ class EngineConfig:
     # A waiting request's priority improves by one level per aging_s seconds waited (down
     # to 0), so low-priority requests are never starved; None: no aging.
     aging_s: float | None = 30.0
+    # Requests of this priority number or more are background work (the batch tier and
+    # adapter evals: app.tables.Tier): a CPU step whose rows are all theirs is cut short
+    # between layers when a request of a lower number is queued (engine/core/
+    # background.py). None: no step is ever cut.
+    background_priority: int | None = 2
     # Steps in a row in which nothing could run (each request failed on its own, and so
     # did a one-token probe of the device) before the engine declares itself failed.
     max_consecutive_step_failures: int = 3

@@ -210,6 +210,16 @@ class BlockManager:
         request.block_ids = []
         self._request_keys.pop(request.request_id, None)
 
+    def forget_unwritten(self, request: Request) -> None:
+        """Unregister the request's full blocks past its computed tokens: a step that was
+        cut short registered them (at allocation) without writing them whole. The step that
+        writes them registers them again."""
+        for index in range(request.num_computed_tokens // self.block_size,
+                           len(request.block_ids)):
+            block_id = request.block_ids[index]
+            if self._block_keys[block_id] is not None:
+                self._forget(block_id)
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block; refused (False, nothing changed) while any block is held,
         since running requests would keep registering blocks and the reset would not be clean."""

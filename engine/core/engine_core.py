@@ -12,6 +12,7 @@ import torch
 
 from engine.client import AdapterInfo, EngineStepError, RequestRejected
 from engine.config import EngineConfig
+from engine.core.background import BackgroundSteps, StepCutShort
 from engine.core.block_manager import BlockManager
 from engine.core.constrained import ConstrainedDecoding
 from engine.core.faults import FaultPlan
@@ -85,6 +86,14 @@ class EngineCore:
         self.consecutive_failures = 0
         self.last_failure: str | None = None
         self._execute: Execute = self.runner.execute
+        # Background steps cut short between layers (engine/core/background.py): CPU only,
+        # where one step of a few rows takes tens of milliseconds.
+        self.background = BackgroundSteps(
+            config.background_priority if self.runner.device.type == "cpu" else None
+        )
+        if self.background.background_priority is not None:
+            for layer in self.runner.model.layers:
+                layer.register_forward_pre_hook(self._between_layers)
         faults = FaultPlan.from_env()
         if faults is not None:
             self._execute = faults.wrap(self._execute)
@@ -210,14 +219,22 @@ class EngineCore:
             return [], True
         adapter_slots = self.adapters.device_slots(c.request for c in scheduled.chunks)
         failed: list[tuple[Request, BaseException]] = []
+        self.background.begin(scheduled.chunks)
         try:
             logits = self._execute(scheduled, adapter_slots)
+        except StepCutShort:
+            # Nothing of the step is applied: its rows run again in the next step.
+            for chunk in scheduled.chunks:
+                self.block_manager.forget_unwritten(chunk.request)
+            return [], False
         except Exception as exc:
+            self.background.end()
             self._note_failure("forward", exc)
             isolated = forward_one_by_one(
                 self._execute, scheduled, adapter_slots, self.config.block_size
             )
             scheduled, logits, failed = isolated.output, isolated.logits, isolated.failed
+        self.background.end()
         self._record_prompt_logprobs()
         self.scheduler.update_after_step(scheduled)
         sampling = [c.request for c in scheduled.chunks if c.samples]
@@ -245,6 +262,9 @@ class EngineCore:
         else:
             self.consecutive_failures = 0
         return outputs, False
+
+    def _between_layers(self, *_: object) -> None:
+        self.background.check()  # raises StepCutShort to cut a background step short
 
     def _record_prompt_logprobs(self) -> None:
         """Into each request, the prompt logprobs its chunks of this step computed."""

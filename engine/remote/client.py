@@ -201,6 +201,7 @@ class RemoteEngine(TokenizingClient):
             num_adapters=len(self.list_adapters()),
             num_step_failures=sum(s.num_step_failures for s in beats),
             num_steps=sum(s.num_steps for s in beats),
+            num_steps_cut=sum(s.num_steps_cut for s in beats),
             kv_filled_slots=sum(s.kv_filled_slots for s in beats),
             block_size=beats[0].block_size if beats else 16,
             step_seconds=sum(s.step_seconds for s in beats),

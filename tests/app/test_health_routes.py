@@ -42,6 +42,7 @@ async def test_metrics_behind_a_token(header: str | None, status: int) -> None:
         assert response.headers["www-authenticate"] == "Bearer"
     else:
         assert "loraplex_engine_step_failures_total" in response.text
+        assert "loraplex_engine_background_steps_cut_total 0.0" in response.text
 
 
 async def test_metrics_open_without_a_token() -> None:
