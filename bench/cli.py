@@ -15,8 +15,8 @@ from bench.grammar.run import GrammarOptions
 from bench.harness.options import options_command
 from bench.kernels import KernelsOptions
 from bench.long_prompts import LongPromptOptions
-from bench.prefill import PrefillAttentionOptions
 from bench.lora import LoRABenchOptions
+from bench.prefill import PrefillAttentionOptions
 from bench.quantization import QuantKernelsOptions, QuantLoadOptions, QuantQualityOptions
 from bench.roofline import RooflineOptions
 from bench.serve.options import ServeOptions
