@@ -172,13 +172,23 @@ class EvalService:
         targets.append(Target("base", None))
         done = 0
         last_write = 0.0
+        # NOTE: the progress is written on a worker thread, one write at a time: a database
+        # commit on the event loop held every other tenant's request that the loop was
+        # serving meanwhile (an SQLite commit syncs to disk).
+        writing: asyncio.Future[None] | None = None
 
         def on_item() -> None:
-            nonlocal done, last_write
+            nonlocal done, last_write, writing
             done += 1
-            if time.monotonic() - last_write >= PROGRESS_INTERVAL_S:
+            if (time.monotonic() - last_write >= PROGRESS_INTERVAL_S
+                    and (writing is None or writing.done())):
                 last_write = time.monotonic()
-                self._write(eval_id, done_items=done)
+                writing = asyncio.ensure_future(
+                    asyncio.to_thread(self._write, eval_id, done_items=done))
+
+        async def written() -> None:  # before the final write, which must land last
+            if writing is not None:
+                await asyncio.shield(writing)
 
         scores: dict[str, float | None] = {"version": None, "previous": None, "base": None}
         try:
@@ -191,13 +201,16 @@ class EvalService:
                 scores[target.label] = round(
                     await score(self.engine, eval_set.items, target, on_item=on_item), 6)
         except asyncio.CancelledError:
+            await written()
             await asyncio.to_thread(self._finish, eval_id, scores, done,
                                     "the server stopped while the eval ran")
             raise
         except Exception as e:
             log.warning("eval %s failed: %s", eval_id, e)
+            await written()
             await asyncio.to_thread(self._finish, eval_id, scores, done, str(e)[:1000])
         else:
+            await written()
             await asyncio.to_thread(self._finish, eval_id, scores, done, None)
             await asyncio.to_thread(self._decide_gate, eval_id)
         finally:

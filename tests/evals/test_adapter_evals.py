@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -144,6 +146,43 @@ def test_scores_of_the_version_the_previous_one_and_the_base(live: Live) -> None
     assert first["scores"]["version"] == pytest.approx(score_of(1, "bot@1"))
     listed = live.get(f"/admin/adapters/{live.adapter_id}/evals").json()["data"]
     assert [e["id"] for e in listed][-2:] == [body["id"], first["id"]]
+
+
+def test_progress_is_written_off_the_event_loop(live: Live,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """While a progress write is held, the server keeps answering: the write runs on a
+    worker thread (on the event loop, the held write would hold every request)."""
+    from app.evals import service
+
+    entered, release = threading.Event(), threading.Event()
+    held: list[bool] = []
+    real = service.EvalService._write
+
+    def held_write(self: service.EvalService, eval_id: str, **fields: Any) -> None:
+        if "scores" not in fields and not entered.is_set():  # the first progress write
+            entered.set()
+            held.append(release.wait(10))
+        real(self, eval_id, **fields)
+
+    monkeypatch.setattr(service.EvalService, "_write", held_write)
+    monkeypatch.setattr(service, "PROGRESS_INTERVAL_S", 0.0)
+    items = [{"prompt": p, "expected": "x", "match": "contains", "max_tokens": 3}
+             for p in GENERATION_PROMPTS * 2]
+    r = live.post(f"/admin/adapters/{live.adapter_id}/evals",
+                  content="\n".join(json.dumps(i) for i in items).encode(),
+                  headers={"Content-Type": "application/jsonl"})
+    assert r.status_code == 202, r.text
+    assert entered.wait(30)
+    assert live.get("/v1/models").status_code == 200  # answered while the write is held
+    release.set()
+    path = f"/admin/adapters/{live.adapter_id}/evals/{r.json()['id']}"
+    for _ in range(600):
+        body = live.get(path).json()
+        if body["status"] != "running":
+            break
+        time.sleep(0.1)
+    assert held == [True]
+    assert body["status"] == "done" and body["done_items"] == 3 * len(items)
 
 
 def test_the_command_line_shows_progress_and_scores(live: Live, tmp_path: Path) -> None:
