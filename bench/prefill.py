@@ -18,6 +18,7 @@ import torch
 
 from bench.harness.options import opt
 from bench.harness.report import print_row, report_header, write_report
+from bench.roofline import best_seconds
 
 
 @dataclass(slots=True)
@@ -32,16 +33,6 @@ class PrefillAttentionOptions:
     step: bool = opt(True, "also time the engine's prefill step (loads the model)")
     seed: int = 0
     output: Path | None = None
-
-
-def _best_ms(fn: Callable[[], object], repeats: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return round(best * 1e3, 3)
 
 
 def run_prefill_attention(opts: PrefillAttentionOptions) -> dict[str, Any]:
@@ -74,7 +65,7 @@ def run_prefill_attention(opts: PrefillAttentionOptions) -> dict[str, Any]:
             return [attend(q, k, v) for q, k, v in seqs]
         err = max(float((got.float() - want).abs().max())
                   for got, want in zip(one_layer(), exact, strict=True))
-        ms = _best_ms(one_layer, opts.repeats)
+        ms = round(best_seconds(one_layer, opts.repeats) * 1e3, 3)
         layer[name] = {"ms": ms, "gflops": round(flops / ms / 1e6, 1), "max_abs_error": err}
         print_row(name, layer[name])
     report["one_layer"] = layer

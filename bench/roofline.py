@@ -72,7 +72,7 @@ def _seconds(fn: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
-def _best_seconds(fn: Callable[[], object], iters: int) -> float:
+def best_seconds(fn: Callable[[], object], iters: int) -> float:
     fn()
     return min(_seconds(fn) for _ in range(iters))
 
@@ -82,7 +82,7 @@ def matmul_peak_gflops(n: int = 2048, iters: int = 5, dtype: torch.dtype = torch
     a = torch.randn(n, n).to(dtype)
     b = torch.randn(n, n).to(dtype)
     out = torch.empty(n, n, dtype=dtype)
-    seconds = _best_seconds(lambda: torch.mm(a, b, out=out), iters)
+    seconds = best_seconds(lambda: torch.mm(a, b, out=out), iters)
     return 2 * n**3 / seconds / 1e9
 
 
@@ -91,8 +91,8 @@ def memory_bandwidth_gbs(mib: int = 512, iters: int = 5) -> dict[str, float]:
     src = torch.ones(mib * 2**20 // 4)
     dst = torch.empty_like(src)
     nbytes = src.numel() * 4
-    copy_s = _best_seconds(lambda: dst.copy_(src), iters)
-    read_s = _best_seconds(lambda: src.sum(), iters)
+    copy_s = best_seconds(lambda: dst.copy_(src), iters)
+    read_s = best_seconds(lambda: src.sum(), iters)
     return {"copy": 2 * nbytes / copy_s / 1e9, "read": nbytes / read_s / 1e9}
 
 

@@ -337,9 +337,7 @@ class AsyncEngine(RunsItsOwnRequests):
             elif self._stopping:
                 dead = EngineDeadError("engine is shutting down")
             else:
-                self._pending_adds.append((request, grammar))
-                self.core.background.note_arrival(request.priority)
-                self._lock.notify_all()
+                self._queue_add_locked(request, grammar)
         if dead is not None:
             self._streams.close(request_id)
             raise dead
@@ -360,6 +358,14 @@ class AsyncEngine(RunsItsOwnRequests):
     def abort(self, request_id: str) -> None:
         self._streams.close(request_id)
         self._queue_abort(request_id)
+
+    def _queue_add_locked(self, request: EngineRequest, grammar: CompiledGrammar | None
+                          ) -> None:
+        """Queue a request for the step loop (the caller holds the lock); a foreground one
+        cuts a background step in progress short (engine/core/background.py)."""
+        self._pending_adds.append((request, grammar))
+        self.core.background.note_arrival(request.priority)
+        self._lock.notify_all()
 
     def _queue_abort(self, request_id: str) -> None:
         with self._lock:

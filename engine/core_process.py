@@ -184,9 +184,7 @@ class _CoreHost(AsyncEngine):
 
     def _queue(self, request: EngineRequest, grammar: CompiledGrammar | None) -> None:
         with self._lock:
-            self._pending_adds.append((request, grammar))
-            self.core.background.note_arrival(request.priority)
-            self._lock.notify_all()
+            self._queue_add_locked(request, grammar)
 
     def _call(self, call_id: int, name: str, args: tuple[Any, ...]) -> None:
         def reply(work: Callable[[], Any]) -> None:

@@ -17,6 +17,7 @@ and callers keep torch's kernel.
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
 
@@ -43,7 +44,13 @@ _library = LazyLibrary(
 
 def _variants() -> int:
     lib = _library()
-    return 0 if lib is None else int(lib.causal_attention_variants())
+    return 0 if lib is None else _built_variants(lib)
+
+
+@functools.cache
+def _built_variants(lib: ctypes.CDLL) -> int:
+    """What the build runs (fixed per library: asked once, not per prompt and layer)."""
+    return int(lib.causal_attention_variants())
 
 
 def uses_tiles() -> bool:

@@ -24,7 +24,8 @@ starves: each arrival cuts at most the one step in progress.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 
 from engine.core.state import ScheduledChunk
 
@@ -54,14 +55,17 @@ class BackgroundSteps:
         callers): an arrival from now on is one the next step has not seen."""
         self._taken_in = self._arrivals
 
-    def begin(self, chunks: Sequence[ScheduledChunk]) -> None:
-        """A step of `chunks` starts: cuttable if every row is a background request's."""
+    @contextlib.contextmanager
+    def forward(self, chunks: Sequence[ScheduledChunk]) -> Iterator[None]:
+        """Around a step's forward over `chunks`: cuttable inside if every row is a
+        background request's (never outside: a failed step's retries are not cut)."""
         self._cuttable = self.background_priority is not None and bool(chunks) and all(
             c.request.priority >= self.background_priority for c in chunks
         )
-
-    def end(self) -> None:
-        self._cuttable = False
+        try:
+            yield
+        finally:
+            self._cuttable = False
 
     def check(self) -> None:
         """Between two layers (the step thread): raise StepCutShort if this step is a

@@ -219,22 +219,20 @@ class EngineCore:
             return [], True
         adapter_slots = self.adapters.device_slots(c.request for c in scheduled.chunks)
         failed: list[tuple[Request, BaseException]] = []
-        self.background.begin(scheduled.chunks)
         try:
-            logits = self._execute(scheduled, adapter_slots)
+            with self.background.forward(scheduled.chunks):
+                logits = self._execute(scheduled, adapter_slots)
         except StepCutShort:
             # Nothing of the step is applied: its rows run again in the next step.
             for chunk in scheduled.chunks:
                 self.block_manager.forget_unwritten(chunk.request)
             return [], False
         except Exception as exc:
-            self.background.end()
             self._note_failure("forward", exc)
             isolated = forward_one_by_one(
                 self._execute, scheduled, adapter_slots, self.config.block_size
             )
             scheduled, logits, failed = isolated.output, isolated.logits, isolated.failed
-        self.background.end()
         self._record_prompt_logprobs()
         self.scheduler.update_after_step(scheduled)
         sampling = [c.request for c in scheduled.chunks if c.samples]
