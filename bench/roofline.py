@@ -106,10 +106,10 @@ _SCOPE_SELF_PART = {"attention": "kv_write", "lora": "lora", "norms": "norms", "
 # classified by name.
 _SCOPES = ("prepare_inputs", *_SCOPE_SELF_PART)
 _KERNEL_SCOPE = "decode_kernel"
-# The AMX linear kernel's C call (loraplex_kernels/cpu_amx.py): the linear layers' part,
+# The bf16 linear kernel's C call (loraplex_kernels/cpu_gemm.py): the linear layers' part,
 # or the lm_head's when the output projection runs it. Its gate_up call with the SiLU in
 # it (linear_silu_mul) counts to linear too: the weight read is nearly all of it.
-_AMX_SCOPE = "amx_linear"
+_GEMM_SCOPE = "gemm_kernel"
 
 
 def _op_part(op: str, scope: str | None) -> str:
@@ -139,7 +139,7 @@ def _scoped(core: Any) -> Iterator[None]:
     import engine.models.llama as llama
     from engine.core.model_runner import ModelRunner
     from engine.lora.layers import LoRAGroup
-    from loraplex_kernels import cpu_amx, cpu_ops
+    from loraplex_kernels import cpu_gemm, cpu_ops
 
     def scope(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def wrapped(*args: Any, **kwargs: Any) -> Any:
@@ -158,8 +158,8 @@ def _scoped(core: Any) -> Iterator[None]:
         (core.runner.model, "compute_logits", "lm_head"),
         (core, "sampler", "sampling"),
         (cpu_ops, "silu_mul", "activation"),
-        (cpu_amx, "linear", _AMX_SCOPE),
-        (cpu_amx, "linear_silu_mul", _AMX_SCOPE),
+        (cpu_gemm, "linear", _GEMM_SCOPE),
+        (cpu_gemm, "linear_silu_mul", _GEMM_SCOPE),
     ]
     with contextlib.suppress(ImportError):  # trees without the CPU decode kernel
         from loraplex_kernels import cpu_decode
@@ -183,7 +183,7 @@ def profile_parts(core: Any, steps: int) -> dict[str, float]:
         name, parent = event.name, event.cpu_parent
         if name == _KERNEL_SCOPE:  # a C call, not an op: its own time counts
             parts["decode_attention"] += event.self_cpu_time_total / 1e6
-        elif name == _AMX_SCOPE:
+        elif name == _GEMM_SCOPE:
             on_head = parent is not None and parent.name == "lm_head"
             parts["lm_head" if on_head else "linear"] += event.self_cpu_time_total / 1e6
         elif name in _SCOPES:

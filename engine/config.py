@@ -139,12 +139,14 @@ class EngineConfig:
     # CPU: the C kernels (loraplex_kernels/cpu_build.py). cpu_kernels False runs every op
     # on its torch path (for comparisons), cpu_decode_kernel False decode attention alone,
     # cpu_prefill_kernel False new bf16 prompts' attention alone (torch's flash kernel
-    # instead of loraplex_kernels/cpu_attention.py); cpu_amx False keeps bf16 decode
-    # steps' linear layers on oneDNN and new prompts' attention off AMX tiles where the CPU
-    # has them (loraplex_kernels/cpu_amx.py; on, each such linear layer holds its weights
-    # twice); builds are cached in kernel_cache_dir (None: ~/.cache/loraplex/kernels).
-    # Defaults: LORAPLEX_CPU_KERNELS, LORAPLEX_CPU_DECODE_KERNEL,
-    # LORAPLEX_CPU_PREFILL_KERNEL and LORAPLEX_CPU_AMX ("0": off), LORAPLEX_KERNEL_CACHE.
+    # instead of loraplex_kernels/cpu_attention.py); cpu_gemm False keeps every bf16 linear
+    # layer on oneDNN (loraplex_kernels/cpu_gemm.py: without AMX it runs every step's bf16
+    # linears on the dot-product instruction); cpu_amx False keeps bf16 decode steps' linear
+    # layers and new prompts' attention off AMX tiles where the CPU has them (on, each such
+    # linear layer holds its weights twice: in oneDNN's layout for prefill and in the tiles');
+    # builds are cached in kernel_cache_dir (None: ~/.cache/loraplex/kernels).
+    # Defaults: LORAPLEX_CPU_KERNELS, LORAPLEX_CPU_DECODE_KERNEL, LORAPLEX_CPU_PREFILL_KERNEL,
+    # LORAPLEX_CPU_GEMM and LORAPLEX_CPU_AMX ("0": off), LORAPLEX_KERNEL_CACHE.
     # NOTE: the kernels are the process's: the last engine started in it sets them.
     cpu_kernels: bool = field(default_factory=lambda: env_switch("LORAPLEX_CPU_KERNELS"))
     cpu_decode_kernel: bool = field(
@@ -153,6 +155,7 @@ class EngineConfig:
     cpu_prefill_kernel: bool = field(
         default_factory=lambda: env_switch("LORAPLEX_CPU_PREFILL_KERNEL")
     )
+    cpu_gemm: bool = field(default_factory=lambda: env_switch("LORAPLEX_CPU_GEMM"))
     cpu_amx: bool = field(default_factory=lambda: env_switch("LORAPLEX_CPU_AMX"))
     kernel_cache_dir: Path | None = field(default_factory=env_cache_dir)
     data_dir: Path | None = None  # None: LORAPLEX_DATA_DIR or ./var
@@ -239,7 +242,7 @@ class EngineConfig:
     def kernel_settings(self) -> KernelSettings:
         return KernelSettings(
             enabled=self.cpu_kernels, decode_attention=self.cpu_decode_kernel,
-            prefill_attention=self.cpu_prefill_kernel, amx=self.cpu_amx,
+            prefill_attention=self.cpu_prefill_kernel, amx=self.cpu_amx, gemm=self.cpu_gemm,
             cache_dir=self.kernel_cache_dir,
         )
 

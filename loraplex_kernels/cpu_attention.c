@@ -17,7 +17,7 @@
 #endif
 
 /* What this build runs: 1 the dot-product variant, 2 (as well) the AMX one. The AMX
-   variant needs the tiles granted to the process first (cpu_amx.c amx_ready). */
+   variant needs the tiles granted to the process first (cpu_gemm.c amx_ready). */
 int causal_attention_variants(void) {
     int variants = 0;
 #ifdef HAVE_DPBF16

@@ -1,5 +1,5 @@
 """bf16 causal attention of a new prompt (nothing cached before it) on the CPU: on AMX tiles
-where the CPU has them (and `cpu_amx` grants them), else on the AVX-512 BF16 dot-product
+where the CPU has them (and `cpu_gemm` has them granted), else on the AVX-512 BF16 dot-product
 instruction (`vdpbf16ps`, e.g. AMD Zen 4).
 
 torch's CPU flash kernel runs bf16 at float32's pace or slower on these CPUs: over a
@@ -21,7 +21,7 @@ import functools
 
 import torch
 
-from loraplex_kernels import cpu_amx
+from loraplex_kernels import cpu_gemm
 from loraplex_kernels.cpu_build import SOURCE_DIR, LazyLibrary
 
 DOT_PRODUCT, TILES = 1, 2  # causal_attention_variants()'s bits
@@ -54,9 +54,9 @@ def _built_variants(lib: ctypes.CDLL) -> int:
 
 
 def uses_tiles() -> bool:
-    """Whether causal_attention runs on AMX tiles here: built with them, and cpu_amx has the
+    """Whether causal_attention runs on AMX tiles here: built with them, and cpu_gemm has the
     tiles granted and switched on."""
-    return bool(_variants() & TILES) and cpu_amx.available()
+    return bool(_variants() & TILES) and cpu_gemm.tiles_granted()
 
 
 def available() -> bool:

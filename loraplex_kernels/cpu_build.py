@@ -58,6 +58,7 @@ class KernelSettings:
     decode_attention: bool = True  # the paged decode attention kernel
     prefill_attention: bool = True  # a new bf16 prompt's attention (cpu_attention.py)
     amx: bool = True  # the bf16 AMX kernels: few-row linears, prompt attention on tiles
+    gemm: bool = True  # bf16 linear layers on our kernel (cpu_gemm.py) instead of oneDNN
     cache_dir: Path | None = None  # None: ~/.cache/loraplex/kernels
 
 
@@ -77,6 +78,7 @@ def settings_from_env() -> KernelSettings:
         decode_attention=env_switch("LORAPLEX_CPU_DECODE_KERNEL"),
         prefill_attention=env_switch("LORAPLEX_CPU_PREFILL_KERNEL"),
         amx=env_switch("LORAPLEX_CPU_AMX"),
+        gemm=env_switch("LORAPLEX_CPU_GEMM"),
         cache_dir=env_cache_dir(),
     )
 

@@ -26,7 +26,7 @@ from engine.models.attention import (
 )
 from engine.models.base import CausalLM
 from engine.models.checkpoint_quant import checkpoint_scheme, quantized_tensors
-from engine.models.cpu_linear import amx_weight_bytes, pack_linears, packing_available
+from engine.models.cpu_linear import kernel_weight_bytes, pack_linears, packing_available
 from engine.models.gguf_weights import GGUF_GROUP, gguf_tensors
 from engine.models.loader import (
     ModelConfig,
@@ -262,13 +262,19 @@ class ModelRunner:
         if config.pack_cpu_weights and packing_available(self.device, self.dtype):
             tied = model.embed_tokens.weight if model.lm_head is None else None
             num_packed = pack_linears(model, lm_head_weight=tied)
-            logger.info("packed %d linear layers for oneDNN", num_packed)
-            amx_bytes = amx_weight_bytes(model)
-            if amx_bytes:
+            every_step = kernel_weight_bytes(model, "every_step")
+            tiles = kernel_weight_bytes(model, "tiles")
+            if every_step:
+                logger.info("packed %d linear layers: bf16 ones run every step on the "
+                            "AVX-512 BF16 dot-product kernel (LORAPLEX_CPU_GEMM=0: oneDNN)",
+                            num_packed)
+            else:
+                logger.info("packed %d linear layers for oneDNN", num_packed)
+            if tiles:
                 logger.info("steps of up to 32 rows run their linear layers on AMX tiles: "
                             "%.0f MiB of weights held a second time in their layout "
                             "(LORAPLEX_CPU_AMX=0 turns it off)",
-                            amx_bytes / 2**20)
+                            tiles / 2**20)
         if self.device.type == "cpu":
             # The unpacked weights just freed would otherwise stay in the heap for good.
             release_free_memory()

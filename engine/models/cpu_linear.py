@@ -1,4 +1,4 @@
-"""CPU transform: every linear layer of a loaded model runs on oneDNN-packed weights.
+"""CPU transform: every linear layer of a loaded model runs on packed weights.
 
 NOTE: applied from outside the model after its weights are loaded (the model itself
 knows only `nn.Linear`). oneDNN's blocked weight layout makes the skinny matmuls of a
@@ -6,13 +6,16 @@ decode step (a few to a few dozen rows against the whole weight) about twice as 
 as `F.linear` on plain row-major weights on AVX2 CPUs, and prefill a little faster;
 `bench/` records the effect. Results agree with `F.linear` to float32 rounding.
 
-bfloat16 weights are packed too where oneDNN has bf16 kernels for this CPU (AVX-512
-BF16 or AMX: `_is_mkldnn_bf16_supported`); they accumulate in float32 and round once,
-as `F.linear` in bf16 does. Where the CPU has AMX, a bf16 layer also keeps its weights in
-the tile layout of loraplex_kernels/cpu_amx.py, which runs steps of up to 32 rows (a
-decode step's) about 1.5x as fast as oneDNN there, with the same results; larger steps
-stay on oneDNN. That second copy doubles the bf16 weights' memory (EngineConfig
-cpu_amx turns it off).
+bfloat16 layers run on loraplex_kernels/cpu_gemm.py where the CPU has bf16 instructions
+(`cpu_gemm.role()`); they sum in float32 and round once, as `F.linear` in bf16 does:
+- with AMX, steps of up to 32 rows (a decode step's) run on its tiles, about 1.5x as fast as
+  oneDNN there, and larger steps on oneDNN's packed bf16 matmul: the layer holds its
+  weights twice (EngineConfig cpu_amx False: oneDNN alone);
+- with AVX-512 BF16 and no AMX (AMD Zen 4), every step runs on the dot-product kernel,
+  which reaches the CPU's bf16 peak from 8 rows where oneDNN needs ~128: one copy, in the
+  kernel's layout (EngineConfig cpu_gemm False: oneDNN alone).
+Elsewhere bf16 weights are packed for oneDNN where it has bf16 kernels for the CPU
+(`_is_mkldnn_bf16_supported`), and float32 weights always.
 """
 
 from __future__ import annotations
@@ -20,9 +23,10 @@ from __future__ import annotations
 import logging
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from loraplex_kernels import cpu_amx
+from loraplex_kernels import cpu_gemm
 
 log = logging.getLogger("loraplex.engine")
 
@@ -44,57 +48,76 @@ def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 class PackedLinear(nn.Module):
-    """y = x W^T + b with W held in oneDNN's packed layout. x [T, IN] -> [T, OUT]."""
+    """y = x W^T + b with W held in oneDNN's packed layout, cpu_gemm's, or both (see the
+    module's docstring). x [T, IN] -> [T, OUT]."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACKING_ROWS_HINT)
-        self.register_buffer("packed_weight", packed, persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
-        amx = None
-        if (weight.dtype == torch.bfloat16 and cpu_amx.fits(*weight.shape)
-                and cpu_amx.available()):
-            amx = cpu_amx.pack_weight(weight.detach())
-        self.amx_weight: torch.Tensor | None
-        self.register_buffer("amx_weight", amx, persistent=False)
+        role = None
+        if weight.dtype == torch.bfloat16 and cpu_gemm.fits(*weight.shape):
+            role = cpu_gemm.role()
+        # "tiles": the kernel for steps of up to 32 rows; "every_step": for all of them.
+        self.kernel_role = role
+        kernel = None if role is None else cpu_gemm.pack_weight(weight.detach())
+        self.kernel_weight: torch.Tensor | None
+        self.register_buffer("kernel_weight", kernel, persistent=False)
+        packed = None
+        if role != "every_step":
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACKING_ROWS_HINT)
+        self.packed_weight: torch.Tensor | None
+        self.register_buffer("packed_weight", packed, persistent=False)
 
-    def _amx_weight_for(self, x: torch.Tensor) -> torch.Tensor | None:
-        """The AMX layout of the weight where the AMX kernel takes x, else None."""
-        if (self.amx_weight is not None and x.dim() == 2
-                and 0 < x.shape[0] <= cpu_amx.MAX_ROWS and x.stride(1) == 1
-                and x.dtype == torch.bfloat16 and cpu_amx.available()):
-            return self.amx_weight
-        return None
+    def _kernel_takes(self, x: torch.Tensor) -> bool:
+        """Whether this step runs on cpu_gemm (x 2-D bf16, unit stride within rows)."""
+        if self.kernel_weight is None or x.dim() != 2 or x.shape[0] == 0:
+            return False
+        if self.kernel_role == "tiles":
+            return (x.shape[0] <= cpu_gemm.MAX_TILE_ROWS and x.stride(1) == 1
+                    and cpu_gemm.uses_tiles())
+        return cpu_gemm.available()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        amx = self._amx_weight_for(x)
-        if amx is not None:
-            return cpu_amx.linear(x, amx, self.out_features, self.bias)
+        if self._kernel_takes(x):
+            assert self.kernel_weight is not None
+            return cpu_gemm.linear(x if x.stride(1) == 1 else x.contiguous(),
+                                   self.kernel_weight, self.out_features, self.bias,
+                                   tiles=self.kernel_role == "tiles")
+        if self.packed_weight is None:  # the kernel switched off since: its weights, unpacked
+            assert self.kernel_weight is not None
+            weight = cpu_gemm.unpack_weight(self.kernel_weight, self.out_features)
+            return F.linear(x, weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(
             x, self.packed_weight, self.bias, "none", [None], ""
         )
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor | None:
         """For a fused gate_up layer (the gate rows, then the up rows): silu(gate) * up of
-        its output, [T, OUT / 2], in the same AMX pass as the matmul; None where that
+        its output, [T, OUT / 2], in the same kernel pass as the matmul; None where the
         kernel does not take x (the caller then runs forward and the SiLU).
 
         NOTE: the same values bit for bit, without the [T, OUT] product written and read
-        back: at 32 rows that pass was 66 us of a layer's ~1.3 ms decode step."""
-        amx = self._amx_weight_for(x)
-        if amx is not None and cpu_amx.silu_mul_fits(self.out_features):
-            return cpu_amx.linear_silu_mul(x, amx, self.out_features, self.bias)
+        back: at 32 rows that pass was 66 us of a layer's ~1.3 ms decode step on AMX."""
+        if self._kernel_takes(x) and cpu_gemm.silu_mul_fits(self.out_features):
+            assert self.kernel_weight is not None
+            return cpu_gemm.linear_silu_mul(x if x.stride(1) == 1 else x.contiguous(),
+                                            self.kernel_weight, self.out_features, self.bias,
+                                            tiles=self.kernel_role == "tiles")
         return None
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, packed"
+        layout = "packed" if self.kernel_role is None else f"packed, cpu_gemm {self.kernel_role}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, {layout}"
 
 
-def amx_weight_bytes(model: nn.Module) -> int:
-    """The bytes of the AMX copies of `model`'s packed weights (0: none)."""
-    return sum(m.amx_weight.numel() * m.amx_weight.element_size() for m in model.modules()
-               if isinstance(m, PackedLinear) and m.amx_weight is not None)
+def kernel_weight_bytes(model: nn.Module, role: str | None = None) -> int:
+    """The bytes of `model`'s packed weights held in cpu_gemm's layout (0: none); `role`:
+    only the layers of that role ("tiles": the second copies beside oneDNN's)."""
+    return sum(m.kernel_weight.numel() * m.kernel_weight.element_size()
+               for m in model.modules()
+               if isinstance(m, PackedLinear) and m.kernel_weight is not None
+               and role in (None, m.kernel_role))
 
 
 def pack_linears(model: nn.Module, *, lm_head_weight: torch.Tensor | None = None) -> int:

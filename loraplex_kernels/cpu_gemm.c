@@ -1,0 +1,281 @@
+/* bf16 linear layers (see cpu_gemm.py): on AMX tiles for steps of up to 32 rows, or on the
+   AVX-512 BF16 dot-product instruction for any number of rows; both read the weights in one
+   packed layout. A new prompt's causal attention on tiles is in cpu_attention.c. */
+#include "cpu_avx512.h"
+#include "cpu_common.h"
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define HAVE_DPBF16 1
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define HAVE_AMX 1
+#endif
+#endif
+
+/* What this build runs: 1 the dot-product variant, 2 (as well) the AMX one, which needs
+   the tiles granted first (amx_ready). */
+int gemm_variants(void) {
+    int variants = 0;
+#ifdef HAVE_DPBF16
+    variants |= 1;
+#endif
+#ifdef HAVE_AMX
+    variants |= 2;
+#endif
+    return variants;
+}
+
+/* Whether this build has AMX and the kernel lets the process use its tile registers
+   (Linux hands them out on request: arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA). */
+int amx_ready(void) {
+#ifdef HAVE_AMX
+    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                   18 /* XFEATURE_XTILEDATA */) == 0;
+#else
+    return 0;
+#endif
+}
+
+#ifdef HAVE_AMX
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+
+/* How far ahead of the tile being read each weight stream is fetched, in bytes. */
+#define WEIGHT_PREFETCH 2048
+
+/* Tile t (a constant) of rows [row0, row0 + rows) and columns [col0, col0 + 16) of y,
+   through tmp: float32 + bias, rounded to bf16. */
+#define STORE_TILE(t, row0, rows, col0)                                                   \
+    do {                                                                                  \
+        _tile_stored(t, tmp, 64);                                                         \
+        for (int64_t r = 0; r < (rows); r++)                                              \
+            for (int64_t c = 0; c < 16; c++)                                              \
+                y[((row0) + r) * n + (col0) + c] = st_bf16(                               \
+                    tmp[r * 16 + c] + (bias != NULL ? ld_bf16(bias[(col0) + c]) : 0.0f)); \
+    } while (0)
+
+/* Tiles tg and tu: the gate and the up columns [col0, col0 + 16) of rows [row0, row0 +
+   rows), through tmp and tmp2. y (n / 2 columns) = silu(gate) * up, each rounded as the
+   unfused path rounds it: gate and up (+ bias) to bf16, as the linear stores them, then
+   silu_mul's steps (cpu_ops_typed.h). */
+#define STORE_SILU_MUL(tg, tu, row0, rows, col0)                                          \
+    do {                                                                                  \
+        _tile_stored(tg, tmp, 64);                                                        \
+        _tile_stored(tu, tmp2, 64);                                                       \
+        __m512 bg = _mm512_setzero_ps(), bu = _mm512_setzero_ps();                        \
+        if (bias != NULL) {                                                               \
+            bg = widen16_bf16(bias + (col0));                                             \
+            bu = widen16_bf16(bias + n / 2 + (col0));                                     \
+        }                                                                                 \
+        for (int64_t r = 0; r < (rows); r++)                                              \
+            _mm256_storeu_si256(                                                          \
+                (__m256i *)(y + ((row0) + r) * (n / 2) + (col0)),                         \
+                silu_mul16_bf16(_mm512_add_ps(_mm512_load_ps(tmp + r * 16), bg),          \
+                                _mm512_add_ps(_mm512_load_ps(tmp2 + r * 16), bu)));       \
+    } while (0)
+
+#endif
+
+/* y [m, n] (contiguous) = x [m, k] (rows x_stride apart) . W^T + bias, for 1 <= m <= 32,
+   n and k multiples of 32: products summed in float32, rounded once to bf16. W [n, k] is
+   given as pack_weight lays it out (cpu_gemm.py): 16 output columns by 32 inputs a tile,
+   1 KiB each, the input pairs (2i, 2i + 1) of a column side by side, tiles of one
+   16-column block in input order, blocks in column order. So block j's weights are one
+   run of k / 2 vectors of 16 columns' pairs: what the dot-product variant loads too.
+
+   Each thread takes 16-column blocks j and j + n / 32 at once: two weight streams read
+   from memory side by side, the rows of x in two A tiles, four float32 tiles of sums.
+   Returns 1 (and writes nothing) for shapes it does not take or without AMX.
+
+   NOTE: at 32 rows the weights are read once and the tiles' arithmetic is cheap, so the
+   time is the weight read: on an Intel Xeon with AMX, the 120 matrices of a SmolLM2
+   decode step in 9.1 ms on two threads (23 GB/s) against 13.6 ms for oneDNN's packed bf16
+   matmul; one stream per thread instead of two read 17 GB/s. */
+static int amx_linear(const bf16_t *x, int64_t x_stride, int64_t m, int64_t k,
+                      const bf16_t *packed, int64_t n, const bf16_t *bias, bf16_t *y,
+                      int64_t num_threads, int silu_mul) {
+#ifdef HAVE_AMX
+    if (m < 1 || m > 32 || n % 32 != 0 || k % 32 != 0 || n == 0 || k == 0) return 1;
+    const int64_t half = n / 32, nk = k / 32;
+    const int64_t ma = m < 16 ? m : 16, mb = m - ma; /* rows of the two A tiles */
+#pragma omp parallel num_threads(num_threads)
+    {
+        TileConfig cfg;
+        memset(&cfg, 0, sizeof cfg);
+        cfg.palette = 1;
+        /* 0, 1: sums of rows [0, ma); 2, 3: rows [16, 16 + mb); 4, 5: those rows of x;
+           6, 7: a weight tile of each stream */
+        const uint8_t rows[8] = {(uint8_t)ma, (uint8_t)ma, (uint8_t)(mb ? mb : 1),
+                                 (uint8_t)(mb ? mb : 1), (uint8_t)ma, (uint8_t)(mb ? mb : 1),
+                                 16, 16};
+        for (int t = 0; t < 8; t++) {
+            cfg.rows[t] = rows[t];
+            cfg.colsb[t] = 64;
+        }
+        _tile_loadconfig(&cfg);
+        float tmp[16 * 16] __attribute__((aligned(64)));
+        float tmp2[16 * 16] __attribute__((aligned(64)));
+#pragma omp for schedule(static)
+        for (int64_t j = 0; j < half; j++) {
+            const char *w0 = (const char *)(packed + j * nk * 512);
+            const char *w1 = (const char *)(packed + (j + half) * nk * 512);
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int64_t kb = 0; kb < nk; kb++) {
+                for (int o = 0; o < 1024; o += 64) { /* past a matrix's end: no fault */
+                    _mm_prefetch(w0 + kb * 1024 + WEIGHT_PREFETCH + o, _MM_HINT_T0);
+                    _mm_prefetch(w1 + kb * 1024 + WEIGHT_PREFETCH + o, _MM_HINT_T0);
+                }
+                _tile_loadd(6, w0 + kb * 1024, 64);
+                _tile_loadd(7, w1 + kb * 1024, 64);
+                _tile_loadd(4, x + kb * 32, x_stride * 2);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_dpbf16ps(1, 4, 7);
+                if (mb) {
+                    _tile_loadd(5, x + 16 * x_stride + kb * 32, x_stride * 2);
+                    _tile_dpbf16ps(2, 5, 6);
+                    _tile_dpbf16ps(3, 5, 7);
+                }
+            }
+            if (silu_mul) { /* block j + half holds the up columns of block j's gates */
+                STORE_SILU_MUL(0, 1, 0, ma, j * 16);
+                if (mb) STORE_SILU_MUL(2, 3, 16, mb, j * 16);
+            } else {
+                STORE_TILE(0, 0, ma, j * 16);
+                STORE_TILE(1, 0, ma, (j + half) * 16);
+                if (mb) {
+                    STORE_TILE(2, 16, mb, j * 16);
+                    STORE_TILE(3, 16, mb, (j + half) * 16);
+                }
+            }
+        }
+        /* NOTE: the tiles back to their initial state, so that no configuration of ours
+           is left for other code on this thread (oneDNN configures its own). */
+        _tile_release();
+    }
+    return 0;
+#else
+    (void)x, (void)x_stride, (void)m, (void)k, (void)packed, (void)n, (void)bias, (void)y;
+    (void)num_threads, (void)silu_mul;
+    return 1;
+#endif
+}
+
+#ifdef HAVE_DPBF16
+/* Rows [r0, r0 + R) of x against 2 C column blocks: j .. j + C - 1 and, C blocks of sums
+   further on, half + j .. half + j + C - 1 (for a gate_up weight, each gate block beside
+   its up block). R x 2C sums in registers (at most 4 x 6 = 24 of the 32): per input pair,
+   each block's 16 column pairs are loaded once for R rows and each row's pair broadcast
+   once for 2C blocks. R and C are constants at every call (the loops unroll). */
+static inline __attribute__((always_inline)) void dp_block(
+    const bf16_t *x, int64_t x_stride, int64_t r0, const int R, const int C, int64_t j,
+    int64_t half, const bf16_t *packed, int64_t pairs, int64_t n, const bf16_t *bias,
+    bf16_t *y, int silu_mul) {
+    __m512 acc[4][6];
+    const bf16_t *w[6];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < 2 * C; c++) acc[r][c] = _mm512_setzero_ps();
+    for (int c = 0; c < C; c++) {
+        w[c] = packed + (j + c) * pairs * 32;
+        w[C + c] = packed + (half + j + c) * pairs * 32;
+    }
+    const bf16_t *xr = x + r0 * x_stride;
+    for (int64_t p = 0; p < pairs; p++) {
+        __m512bh b[6];
+        for (int c = 0; c < 2 * C; c++) b[c] = (__m512bh)_mm512_loadu_si512(w[c] + p * 32);
+        for (int r = 0; r < R; r++) {
+            int32_t pair;
+            memcpy(&pair, xr + r * x_stride + 2 * p, sizeof pair);
+            const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+            for (int c = 0; c < 2 * C; c++) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], a, b[c]);
+        }
+    }
+    for (int c = 0; c < C; c++) {
+        const int64_t lo = (j + c) * 16, hi = (half + j + c) * 16;
+        const __m512 blo = bias != NULL ? widen16_bf16(bias + lo) : _mm512_setzero_ps();
+        const __m512 bhi = bias != NULL ? widen16_bf16(bias + hi) : _mm512_setzero_ps();
+        for (int r = 0; r < R; r++) {
+            const __m512 slo = _mm512_add_ps(acc[r][c], blo);
+            const __m512 shi = _mm512_add_ps(acc[r][C + c], bhi);
+            if (silu_mul) {
+                _mm256_storeu_si256((__m256i *)(y + (r0 + r) * (n / 2) + lo),
+                                    silu_mul16_bf16(slo, shi));
+            } else {
+                _mm256_storeu_si256((__m256i *)(y + (r0 + r) * n + lo), store16_bf16(slo));
+                _mm256_storeu_si256((__m256i *)(y + (r0 + r) * n + hi), store16_bf16(shi));
+            }
+        }
+    }
+}
+
+/* Column blocks [j, j + C) and their partners, all rows: 4 at a time, then the rest. */
+#define DP_ROWS(C)                                                                          \
+    do {                                                                                    \
+        int64_t r0 = 0;                                                                     \
+        for (; r0 + 4 <= m; r0 += 4)                                                        \
+            dp_block(x, x_stride, r0, 4, C, j, half, packed, pairs, n, bias, y, silu_mul);  \
+        switch (m - r0) {                                                                   \
+        case 3: dp_block(x, x_stride, r0, 3, C, j, half, packed, pairs, n, bias, y, silu_mul); \
+            break;                                                                          \
+        case 2: dp_block(x, x_stride, r0, 2, C, j, half, packed, pairs, n, bias, y, silu_mul); \
+            break;                                                                          \
+        case 1: dp_block(x, x_stride, r0, 1, C, j, half, packed, pairs, n, bias, y, silu_mul); \
+            break;                                                                          \
+        }                                                                                   \
+    } while (0)
+#endif
+
+/* The same product (and fused SiLU) on the AVX-512 BF16 dot-product instruction, for any
+   m >= 1: sums in float32 in input order, rounded once to bf16 as st_bf16 rounds.
+
+   Each thread takes 3 column blocks and their 3 partners (block j + n / 32) at a time, and
+   runs all rows of x against them, 4 rows at a time: the six blocks' weights are read
+   from memory once (the first 4 rows) and from the L2 cache after. On an AMD Zen 4 (2
+   cores) it runs at the bf16 matmul peak from 8 rows to 2,048, where oneDNN's packed
+   matmul reaches it only from ~128 rows (docs/BENCHMARKS.md). */
+static int dp_linear(const bf16_t *x, int64_t x_stride, int64_t m, int64_t k,
+                     const bf16_t *packed, int64_t n, const bf16_t *bias, bf16_t *y,
+                     int64_t num_threads, int silu_mul) {
+#ifdef HAVE_DPBF16
+    if (m < 1 || n % 32 != 0 || k % 32 != 0 || n == 0 || k == 0) return 1;
+    const int64_t half = n / 32, pairs = k / 2, groups = (half + 2) / 3;
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t g = 0; g < groups; g++) {
+        const int64_t j = g * 3;
+        switch (half - j < 3 ? half - j : 3) {
+        case 3: DP_ROWS(3); break;
+        case 2: DP_ROWS(2); break;
+        default: DP_ROWS(1); break;
+        }
+    }
+    return 0;
+#else
+    (void)x, (void)x_stride, (void)m, (void)k, (void)packed, (void)n, (void)bias, (void)y;
+    (void)num_threads, (void)silu_mul;
+    return 1;
+#endif
+}
+
+/* y = x . W^T + bias ([m, n]), or with silu_mul (a gate_up weight: the n / 2 gate rows,
+   then the n / 2 up rows, n a multiple of 64) y [m, n / 2] = silu(gate) * up, equal bit for
+   bit to the linear and then silu_mul_bf16 (cpu_ops.c) without the [m, n] intermediate.
+   tiles: the AMX variant (m <= 32, the tiles granted), else the dot-product one. Returns 1
+   (and writes nothing) for what the chosen variant does not take or this build lacks. */
+int gemm_bf16(const bf16_t *x, int64_t x_stride, int64_t m, int64_t k, const bf16_t *packed,
+              int64_t n, const bf16_t *bias, bf16_t *y, int64_t num_threads, int silu_mul,
+              int tiles) {
+    if (silu_mul && n % 64 != 0) return 1;
+    if (tiles) return amx_linear(x, x_stride, m, k, packed, n, bias, y, num_threads, silu_mul);
+    return dp_linear(x, x_stride, m, k, packed, n, bias, y, num_threads, silu_mul);
+}
