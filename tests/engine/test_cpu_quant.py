@@ -33,7 +33,7 @@ def test_round_trip_error_is_at_most_half_a_step(bits: int, group: int | None) -
 
 
 @pytest.mark.parametrize(("bits", "group"), SCHEMES)
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 13, 37])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 13, 30, 37])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_linear_equals_a_dense_matmul_over_the_dequantized_weights(
     bits: int, group: int | None, rows: int, dtype: torch.dtype
@@ -52,6 +52,25 @@ def test_linear_equals_a_dense_matmul_over_the_dequantized_weights(
         torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
     else:
         torch.testing.assert_close(y.float(), ref, rtol=2**-8, atol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_group_longer_than_the_kernels_chunk_is_summed_across_chunks(
+    dtype: torch.dtype,
+) -> None:
+    """int8 per channel over 4,224 inputs: one group longer than any chunk the kernel
+    converts at once (4,096 on the bf16 dot-product tiles, 128 on the float32 ones), so its
+    sums carry across chunks before the group's scale."""
+    w = _weight(48, 4224, 4)
+    qw = cpu_quant.quantize(w, 8, None)
+    assert qw.group_size == 4224
+    x = torch.randn(13, 4224, generator=torch.Generator().manual_seed(5)).to(dtype)
+    y = cpu_quant.linear(x, qw)
+    ref = torch.nn.functional.linear(x.float(), cpu_quant.dequantize(qw))
+    if dtype == torch.float32:
+        torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4)
+    else:
+        torch.testing.assert_close(y.float(), ref, rtol=2**-8, atol=2e-3)
 
 
 def test_linear_writes_strided_output_rows_and_takes_strided_input_rows() -> None:
