@@ -100,10 +100,10 @@ typedef struct {
    time is the weight read: on an Intel Xeon with AMX, the 120 matrices of a SmolLM2
    decode step in 9.1 ms on two threads (23 GB/s) against 13.6 ms for oneDNN's packed bf16
    matmul; one stream per thread instead of two read 17 GB/s. */
+#ifdef HAVE_AMX
 static int amx_linear(const bf16_t *x, int64_t x_stride, int64_t m, int64_t k,
                       const bf16_t *packed, int64_t n, const bf16_t *bias, bf16_t *y,
                       int64_t num_threads, int silu_mul) {
-#ifdef HAVE_AMX
     if (m < 1 || m > 32 || n % 32 != 0 || k % 32 != 0 || n == 0 || k == 0) return 1;
     const int64_t half = n / 32, nk = k / 32;
     const int64_t ma = m < 16 ? m : 16, mb = m - ma; /* rows of the two A tiles */
@@ -165,12 +165,8 @@ static int amx_linear(const bf16_t *x, int64_t x_stride, int64_t m, int64_t k,
         _tile_release();
     }
     return 0;
-#else
-    (void)x, (void)x_stride, (void)m, (void)k, (void)packed, (void)n, (void)bias, (void)y;
-    (void)num_threads, (void)silu_mul;
-    return 1;
-#endif
 }
+#endif
 
 #ifdef HAVE_DPBF16
 /* Rows [r0, r0 + R) of x against 2 C column blocks: j .. j + C - 1 and, C blocks of sums
@@ -244,10 +240,10 @@ static inline __attribute__((always_inline)) void dp_block(
    from memory once (the first 4 rows) and from the L2 cache after. On an AMD Zen 4 (2
    cores) it runs at the bf16 matmul peak from 8 rows to 2,048, where oneDNN's packed
    matmul reaches it only from ~128 rows (docs/BENCHMARKS.md). */
+#ifdef HAVE_DPBF16
 static int dp_linear(const bf16_t *x, int64_t x_stride, int64_t m, int64_t k,
                      const bf16_t *packed, int64_t n, const bf16_t *bias, bf16_t *y,
                      int64_t num_threads, int silu_mul) {
-#ifdef HAVE_DPBF16
     if (m < 1 || n % 32 != 0 || k % 32 != 0 || n == 0 || k == 0) return 1;
     const int64_t half = n / 32, pairs = k / 2, groups = (half + 2) / 3;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
@@ -260,12 +256,8 @@ static int dp_linear(const bf16_t *x, int64_t x_stride, int64_t m, int64_t k,
         }
     }
     return 0;
-#else
-    (void)x, (void)x_stride, (void)m, (void)k, (void)packed, (void)n, (void)bias, (void)y;
-    (void)num_threads, (void)silu_mul;
-    return 1;
-#endif
 }
+#endif
 
 /* y = x . W^T + bias ([m, n]), or with silu_mul (a gate_up weight: the n / 2 gate rows,
    then the n / 2 up rows, n a multiple of 64) y [m, n / 2] = silu(gate) * up, equal bit for
@@ -276,6 +268,13 @@ int gemm_bf16(const bf16_t *x, int64_t x_stride, int64_t m, int64_t k, const bf1
               int64_t n, const bf16_t *bias, bf16_t *y, int64_t num_threads, int silu_mul,
               int tiles) {
     if (silu_mul && n % 64 != 0) return 1;
+#ifdef HAVE_AMX
     if (tiles) return amx_linear(x, x_stride, m, k, packed, n, bias, y, num_threads, silu_mul);
-    return dp_linear(x, x_stride, m, k, packed, n, bias, y, num_threads, silu_mul);
+#endif
+#ifdef HAVE_DPBF16
+    if (!tiles) return dp_linear(x, x_stride, m, k, packed, n, bias, y, num_threads, silu_mul);
+#endif
+    (void)x, (void)x_stride, (void)m, (void)k, (void)packed, (void)n, (void)bias, (void)y;
+    (void)num_threads, (void)tiles;
+    return 1;
 }

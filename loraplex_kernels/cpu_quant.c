@@ -21,8 +21,11 @@
    each chunk of a block's integers is converted to float32 once into L1 ("buffered"), and
    the row tiles read it there (AVX-512: 6 rows over two blocks, then 12, 8, 4, 2, 1 over
    one; AVX2, where a block is two registers: 6, 4, 2, 1). bf16 rows on AVX-512 BF16: the
-   chunk is converted to bf16 pairs instead and the tiles run on the dot-product
-   instruction (12, 8, 4, 2, 1 rows over two blocks). Parallel over pairs of blocks
+   integers are converted to bf16 pairs instead and the tiles run on the dot-product
+   instruction, over two blocks: for layers of up to DP_MAX_PANEL inputs all of a block's
+   inputs at once, tiles of 4, 2, 1 rows running every group with its sums and the scaled
+   totals in registers (dp_panel); longer layers chunk by chunk through partial sums
+   (12, 8, 4, 2, 1 rows). Parallel over pairs of blocks
    with OpenMP on torch's pool. Other CPUs: plain loops.
 */
 #include <stdint.h>
@@ -266,7 +269,7 @@ static inline void chunk_tiles(const float *xf, int64_t T, int64_t K, int64_t k0
    summed in float32 as on the float32 path, two to an instruction lane instead of one, and
    the rows are read as bf16 with no float32 copy. */
 #define HAVE_DP_CHUNKS 1
-#define DP_MAX_CHUNK 4096
+#define DP_MAX_PANEL 4096
 
 /* 16 lanes of (even, odd) as bf16 pairs: even's bits in the low half, odd's in the high. */
 static inline __attribute__((always_inline)) __m512i pairs16(__m512 even, __m512 odd) {
@@ -294,72 +297,57 @@ static inline void convert_chunk_pairs(const uint8_t *wb, int bits, int64_t k0, 
     }
 }
 
-/* Where a whole group is one chunk, its sums go straight into the outputs, scaled: acc[b][t]
-   += sum s[b] (+ xsum[t] m[b]), instead of through part and a separate pass. */
-typedef struct {
-    const float *s[2], *m[2]; /* the blocks' scales and offsets of this group */
-    const float *xsum;        /* the rows' sums of this group (row stride ngroups), or NULL */
-    int64_t ngroups;
-    float *acc;               /* [nb][T][16] */
-} GroupScale;
-
-/* part[b][t + r][16] (+)= x[t + r][k0 .. k0 + n) . the chunk of block b, for R rows and NB
-   blocks (constants at every call: R x NB sums in registers, at most 12 x 2); with gs,
-   scaled into gs->acc instead. */
-static inline __attribute__((always_inline)) void dp_tile(
-    const bf16_t *x, int64_t ldx, int64_t t, const int R, const int NB, int64_t k0,
-    int64_t n, const bf16_t *wp, float *part, int64_t T, int first, const GroupScale *gs) {
-    __m512 acc[12][2];
+/* sum[r][b] = rows r of xr (stride ldx) . block b's pairs (blocks bstride values apart in
+   wp), over input pairs [i0, i1): each block's pair vector loaded once for R rows, each
+   row's pair broadcast once for NB blocks. R and NB are constants at every call. */
+static inline __attribute__((always_inline)) void dp_sums(
+    __m512 sum[][2], const bf16_t *xr, int64_t ldx, const int R, const int NB,
+    const bf16_t *wp, int64_t bstride, int64_t i0, int64_t i1) {
     for (int r = 0; r < R; r++)
-        for (int b = 0; b < NB; b++) acc[r][b] = _mm512_setzero_ps();
-    const bf16_t *xr = x + t * ldx + k0;
-    for (int64_t i = 0; i < n / 2; i++) {
+        for (int b = 0; b < NB; b++) sum[r][b] = _mm512_setzero_ps();
+    for (int64_t i = i0; i < i1; i++) {
         __m512bh w[2];
         for (int b = 0; b < NB; b++)
-            w[b] = (__m512bh)_mm512_load_si512(wp + b * n * CB + i * 32);
+            w[b] = (__m512bh)_mm512_load_si512(wp + b * bstride + i * 32);
         for (int r = 0; r < R; r++) {
             int32_t pair;
             memcpy(&pair, xr + r * ldx + 2 * i, sizeof pair);
             const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
-            for (int b = 0; b < NB; b++) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], a, w[b]);
+            for (int b = 0; b < NB; b++) sum[r][b] = _mm512_dpbf16_ps(sum[r][b], a, w[b]);
         }
     }
-    for (int b = 0; b < NB; b++) {
-        if (gs != NULL) {
-            const __m512 sv = _mm512_loadu_ps(gs->s[b]);
-            for (int r = 0; r < R; r++) {
-                float *dst = gs->acc + (b * T + t + r) * CB;
-                __m512 v = _mm512_fmadd_ps(acc[r][b], sv, _mm512_load_ps(dst));
-                if (gs->m[b] != NULL)
-                    v = _mm512_fmadd_ps(_mm512_set1_ps(gs->xsum[(t + r) * gs->ngroups]),
-                                        _mm512_loadu_ps(gs->m[b]), v);
-                _mm512_store_ps(dst, v);
-            }
-            continue;
-        }
+}
+
+/* part[b][t + r][16] (+)= x[t + r][k0 .. k0 + n) . the chunk of block b, for R rows and NB
+   blocks (constants at every call: R x NB sums in registers, at most 12 x 2). */
+static inline __attribute__((always_inline)) void dp_tile(
+    const bf16_t *x, int64_t ldx, int64_t t, const int R, const int NB, int64_t k0,
+    int64_t n, const bf16_t *wp, float *part, int64_t T, int first) {
+    __m512 acc[12][2];
+    dp_sums(acc, x + t * ldx + k0, ldx, R, NB, wp, n * CB, 0, n / 2);
+    for (int b = 0; b < NB; b++)
         for (int r = 0; r < R; r++) {
             float *dst = part + (b * T + t + r) * CB;
             _mm512_store_ps(dst, first ? acc[r][b]
                                        : _mm512_add_ps(acc[r][b], _mm512_load_ps(dst)));
         }
-    }
 }
 
 #define DP_TILES(NB)                                                                        \
     do {                                                                                    \
         int64_t t = 0;                                                                      \
-        for (; T - t >= 12; t += 12) dp_tile(x, ldx, t, 12, NB, k0, n, wp, part, T, first, gs); \
-        if (T - t >= 8) { dp_tile(x, ldx, t, 8, NB, k0, n, wp, part, T, first, gs); t += 8; }   \
-        if (T - t >= 4) { dp_tile(x, ldx, t, 4, NB, k0, n, wp, part, T, first, gs); t += 4; }   \
-        if (T - t >= 2) { dp_tile(x, ldx, t, 2, NB, k0, n, wp, part, T, first, gs); t += 2; }   \
-        if (T - t >= 1) dp_tile(x, ldx, t, 1, NB, k0, n, wp, part, T, first, gs);              \
+        for (; T - t >= 12; t += 12) dp_tile(x, ldx, t, 12, NB, k0, n, wp, part, T, first); \
+        if (T - t >= 8) { dp_tile(x, ldx, t, 8, NB, k0, n, wp, part, T, first); t += 8; }   \
+        if (T - t >= 4) { dp_tile(x, ldx, t, 4, NB, k0, n, wp, part, T, first); t += 4; }   \
+        if (T - t >= 2) { dp_tile(x, ldx, t, 2, NB, k0, n, wp, part, T, first); t += 2; }   \
+        if (T - t >= 1) dp_tile(x, ldx, t, 1, NB, k0, n, wp, part, T, first);              \
     } while (0)
 
 /* chunk_tiles for bf16 rows x (row stride ldx) and a chunk converted by
    convert_chunk_pairs (block b's at wp + b n 16). */
 static inline void chunk_tiles_dp(const bf16_t *x, int64_t ldx, int64_t T, int64_t k0,
                                   int64_t n, const bf16_t *wp, int64_t nb, float *part,
-                                  int first, const GroupScale *gs) {
+                                  int first) {
     if (nb == 2)
         DP_TILES(2);
     else
@@ -371,8 +359,7 @@ static inline void chunk_tiles_dp(const bf16_t *x, int64_t ldx, int64_t T, int64
    unit, under a static schedule) fetched meanwhile, then every row's tiles. */
 static inline void dp_chunk(const bf16_t *x, int64_t ldx, int64_t T, const void *w, int bits,
                             int64_t block_bytes, int64_t blk0, int64_t nb, int64_t nblocks,
-                            int64_t k0, int64_t n, bf16_t *wp, float *part, int first,
-                            const GroupScale *gs) {
+                            int64_t k0, int64_t n, bf16_t *wp, float *part, int first) {
     const int64_t chunk_bytes = n * CB * bits / 8, at = k0 * CB * bits / 8;
     for (int64_t b = blk0 + 2; b < blk0 + 4 && b < nblocks; b++)
         for (int64_t o = 0; o < chunk_bytes; o += 64)
@@ -380,7 +367,72 @@ static inline void dp_chunk(const bf16_t *x, int64_t ldx, int64_t T, const void 
     for (int64_t b = 0; b < nb; b++)
         convert_chunk_pairs((const uint8_t *)w + (blk0 + b) * block_bytes, bits, k0, n,
                             wp + b * n * CB);
-    chunk_tiles_dp(x, ldx, T, k0, n, wp, nb, part, first, gs);
+    chunk_tiles_dp(x, ldx, T, k0, n, wp, nb, part, first);
+}
+
+/* The whole of a layer's inputs at once, where K <= DP_MAX_PANEL: a unit's two blocks
+   converted once (wp: block b's K inputs at wp + b K 16, in L2), then each tile of R rows
+   runs every group with the group's sums in registers and scales them into totals also in
+   registers (tot += sum s, + the rows' sums of the group times m), stored once into
+   acc[b][t + r]: no partial sums through memory, one pass for all groups. */
+static inline __attribute__((always_inline)) void dp_panel_tile(
+    const bf16_t *x, int64_t ldx, int64_t t, const int R, const int NB, int64_t K,
+    int64_t group, const bf16_t *wp, const float *const sb[2], const float *const mb[2],
+    const float *xsum, float *acc, int64_t T) {
+    const int64_t ngroups = K / group;
+    __m512 tot[4][2], sum[4][2];
+    for (int r = 0; r < R; r++)
+        for (int b = 0; b < NB; b++) tot[r][b] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < ngroups; g++) {
+        dp_sums(sum, x + t * ldx, ldx, R, NB, wp, K * CB, g * group / 2, (g + 1) * group / 2);
+        for (int b = 0; b < NB; b++) {
+            const __m512 sv = _mm512_loadu_ps(sb[b] + g * CB);
+            for (int r = 0; r < R; r++) tot[r][b] = _mm512_fmadd_ps(sum[r][b], sv, tot[r][b]);
+            if (mb[b] != NULL) {
+                const __m512 mv = _mm512_loadu_ps(mb[b] + g * CB);
+                for (int r = 0; r < R; r++)
+                    tot[r][b] = _mm512_fmadd_ps(
+                        _mm512_set1_ps(xsum[(t + r) * ngroups + g]), mv, tot[r][b]);
+            }
+        }
+    }
+    for (int b = 0; b < NB; b++)
+        for (int r = 0; r < R; r++) _mm512_store_ps(acc + (b * T + t + r) * CB, tot[r][b]);
+}
+
+#define DP_PANEL(NB)                                                                        \
+    do {                                                                                    \
+        int64_t t = 0;                                                                      \
+        for (; T - t >= 4; t += 4)                                                          \
+            dp_panel_tile(x, ldx, t, 4, NB, K, group, wp, sb, mb, xsum, acc, T);            \
+        if (T - t >= 2) {                                                                   \
+            dp_panel_tile(x, ldx, t, 2, NB, K, group, wp, sb, mb, xsum, acc, T);            \
+            t += 2;                                                                         \
+        }                                                                                   \
+        if (T - t >= 1) dp_panel_tile(x, ldx, t, 1, NB, K, group, wp, sb, mb, xsum, acc, T); \
+    } while (0)
+
+/* Blocks [blk0, blk0 + nb) over all rows, into acc [nb][T][16] (see dp_panel_tile); the
+   next unit's integers fetched while these are converted. */
+static inline void dp_panel(const bf16_t *x, int64_t ldx, const float *xsum, int64_t T,
+                            int64_t K, const void *w, int bits, int64_t group, const float *s,
+                            const float *m, int64_t block_bytes, int64_t blk0, int64_t nb,
+                            int64_t nblocks, bf16_t *wp, float *acc) {
+    const int64_t ngroups = K / group;
+    for (int64_t b = blk0 + 2; b < blk0 + 4 && b < nblocks; b++)
+        for (int64_t o = 0; o < block_bytes; o += 64)
+            _mm_prefetch((const char *)w + b * block_bytes + o, _MM_HINT_T1);
+    const float *sb[2] = {0, 0}, *mb[2] = {0, 0};
+    for (int64_t b = 0; b < nb; b++) {
+        convert_chunk_pairs((const uint8_t *)w + (blk0 + b) * block_bytes, bits, 0, K,
+                            wp + b * K * CB);
+        sb[b] = s + (blk0 + b) * ngroups * CB;
+        mb[b] = m ? m + (blk0 + b) * ngroups * CB : 0;
+    }
+    if (nb == 2)
+        DP_PANEL(2);
+    else
+        DP_PANEL(1);
 }
 #endif
 
@@ -535,17 +587,23 @@ static int buffered_linear(const float *xf, const bf16_t *xb, int64_t ldx, const
                            int64_t T, int64_t K, const void *w, int bits, int64_t group,
                            const float *s, const float *m, int64_t N, const float *bias,
                            void *y, int64_t ldy, int out_bf16, int64_t nthreads) {
-    /* The dot-product tiles take a whole group of up to DP_MAX_CHUNK inputs at once (its
-       bf16 pairs, two blocks' worth, in L2): the sums then go straight into the outputs. */
-    const int64_t ngroups = K / group, nblocks = N / CB;
-    const int64_t chunk = xb != NULL && group <= DP_MAX_CHUNK ? group : chunk_for(group);
+    const int64_t ngroups = K / group, nblocks = N / CB, chunk = chunk_for(group);
+    /* bf16 rows on the dot-product tiles: a layer's whole inputs at once up to
+       DP_MAX_PANEL (its bf16 pairs, two blocks' worth, in L2), else chunk by chunk. */
+    int panel = 0;
+#if defined(HAVE_DP_CHUNKS)
+    panel = xb != NULL && K <= DP_MAX_PANEL;
+#else
+    (void)xb, (void)ldx;
+#endif
+    const int64_t buffer = panel ? K * CB : 2 * chunk * CB; /* floats */
     const int64_t block_bytes = bits == 8 ? K * CB : (K / 2) * CB;
     int failed = 0;
     /* Units of two blocks (the last of an odd count alone). */
     const int64_t nunits = (nblocks + 1) / 2;
 #pragma omp parallel num_threads(nthreads)
     {
-        float *wf = aligned_alloc(64, sizeof(float) * (size_t)(2 * chunk * CB));
+        float *wf = aligned_alloc(64, sizeof(float) * (size_t)buffer);
         float *part = aligned_alloc(64, sizeof(float) * (size_t)(2 * T * CB));
         float *acc = aligned_alloc(64, sizeof(float) * (size_t)(2 * T * CB));
         if (!wf || !part || !acc) {
@@ -557,6 +615,16 @@ static int buffered_linear(const float *xf, const bf16_t *xb, int64_t ldx, const
 #pragma omp for schedule(static)
             for (int64_t u = 0; u < nunits; u++) {
                 const int64_t blk0 = 2 * u, nb = blk0 + 1 < nblocks ? 2 : 1;
+#if defined(HAVE_DP_CHUNKS)
+                if (panel) {
+                    dp_panel(xb, ldx, xsum, T, K, w, bits, group, s, m, block_bytes, blk0, nb,
+                             nblocks, (bf16_t *)wf, acc);
+                    for (int64_t b = 0; b < nb; b++)
+                        store_rows(acc + b * T * CB, (int)T, (blk0 + b) * CB, bias, y, ldy,
+                                   out_bf16);
+                    continue;
+                }
+#endif
                 memset(acc, 0, sizeof(float) * (size_t)(nb * T * CB));
                 for (int64_t g = 0; g < ngroups; g++) {
 #if defined(FUSED_GROUPS)
@@ -573,24 +641,11 @@ static int buffered_linear(const float *xf, const bf16_t *xb, int64_t ldx, const
                         continue;
                     }
 #endif
-#if defined(HAVE_DP_CHUNKS)
-                    if (xb != NULL && chunk == group) {
-                        GroupScale gs = {{0, 0}, {0, 0}, xsum ? xsum + g : 0, ngroups, acc};
-                        for (int64_t b = 0; b < nb; b++) {
-                            const int64_t gi = (blk0 + b) * ngroups + g;
-                            gs.s[b] = s + gi * CB;
-                            gs.m[b] = m ? m + gi * CB : 0;
-                        }
-                        dp_chunk(xb, ldx, T, w, bits, block_bytes, blk0, nb, nblocks,
-                                 g * group, chunk, (bf16_t *)wf, part, 1, &gs);
-                        continue;
-                    }
-#endif
                     for (int64_t k0 = g * group; k0 < (g + 1) * group; k0 += chunk) {
 #if defined(HAVE_DP_CHUNKS)
                         if (xb != NULL) {
                             dp_chunk(xb, ldx, T, w, bits, block_bytes, blk0, nb, nblocks, k0,
-                                     chunk, (bf16_t *)wf, part, k0 == g * group, NULL);
+                                     chunk, (bf16_t *)wf, part, k0 == g * group);
                             continue;
                         }
 #endif
@@ -662,9 +717,9 @@ int quant_linear(const void *x, int64_t ldx, int in_bf16, int64_t T, int64_t K,
     }
 #if defined(HAVE_BUFFERED)
     /* From BUFFERED_MIN_ROWS rows: bf16 rows on the dot-product tiles where the CPU has
-       them (AVX-512 BF16: 32 rows of SmolLM2's layers 1.6-1.7x faster than the float32
-       tiles on a Zen 4), else in float32. Fewer rows convert as they multiply (below: at
-       one row int4 ran 1.5x faster so). */
+       them (AVX-512 BF16: 32 rows of SmolLM2's layers 2x faster than the float32 tiles on a
+       Zen 4), else in float32. Fewer rows convert as they multiply (below: at one row int4
+       ran 1.5x faster so than buffered). */
     const bf16_t *xb = NULL;
 #if defined(HAVE_DP_CHUNKS)
     if (in_bf16) xb = (const bf16_t *)x;
