@@ -32,7 +32,8 @@ def test_round_trip_error_is_at_most_half_a_step(bits: int, group: int | None) -
     assert qw.nbytes < w.numel() * 4 * (0.3 if bits == 4 else 0.3 + 8 / g)
 
 
-@pytest.mark.parametrize(("bits", "group"), SCHEMES)
+# (4, 128): one group over all 128 inputs, with offsets.
+@pytest.mark.parametrize(("bits", "group"), [*SCHEMES, (4, 128)])
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 13, 30, 37])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_linear_equals_a_dense_matmul_over_the_dequantized_weights(
