@@ -8,26 +8,9 @@
 #include <stdint.h>
 #include <string.h>
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-#include <immintrin.h>
-#define HAVE_DPBF16 1
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#define HAVE_TILES 1
-#endif
-#endif
-
-/* What this build runs: 1 the dot-product variant, 2 (as well) the AMX one. The AMX
-   variant needs the tiles granted to the process first (cpu_gemm.c amx_ready). */
-int causal_attention_variants(void) {
-    int variants = 0;
-#ifdef HAVE_DPBF16
-    variants |= 1;
-#endif
-#ifdef HAVE_TILES
-    variants |= 2;
-#endif
-    return variants;
-}
+/* What this build runs (bf16_variants: 1 the dot-product variant, 2 the AMX one as well,
+   which needs the tiles granted to the process first: cpu_gemm.c amx_ready). */
+int causal_attention_variants(void) { return bf16_variants(); }
 
 #ifdef HAVE_DPBF16
 /* One 32-bit pair of bf16 values (a query's dims 2i and 2i + 1, or a row's probabilities of
@@ -94,7 +77,7 @@ static inline __attribute__((always_inline)) void add_pv_dp(const bf16_t *p,
 }
 #endif
 
-#ifdef HAVE_TILES
+#ifdef HAVE_AMX
 typedef struct {
     uint8_t palette, start_row, reserved[14];
     uint16_t colsb[16];
@@ -119,7 +102,7 @@ int causal_attention_bf16(const bf16_t *q, int64_t q_stride, const bf16_t *k,
                           int64_t len, int64_t heads, int64_t kv_heads, int64_t hd,
                           float scale, bf16_t *work, int64_t num_threads, int64_t tiles) {
 #ifdef HAVE_DPBF16
-#ifndef HAVE_TILES
+#ifndef HAVE_AMX
     if (tiles) return 1;
 #endif
     if (len < 1 || hd % 32 != 0 || hd > 256 || heads % kv_heads != 0) return 1;
@@ -169,7 +152,7 @@ int causal_attention_bf16(const bf16_t *q, int64_t q_stride, const bf16_t *k,
             }
         }
         /* the implicit barrier: every pair laid out before any is read */
-#ifdef HAVE_TILES
+#ifdef HAVE_AMX
         if (tiles) {
             TileConfig cfg;
             memset(&cfg, 0, sizeof cfg);
@@ -205,7 +188,7 @@ int causal_attention_bf16(const bf16_t *q, int64_t q_stride, const bf16_t *k,
             const int64_t last_key = q0 + rows - 1;
             for (int64_t k0 = 0; k0 <= last_key; k0 += 32) {
                 const bf16_t *kt0 = kt + ((kh * (kpad / 16) + k0 / 16) * nks) * 512;
-#ifdef HAVE_TILES
+#ifdef HAVE_AMX
                 if (tiles) {
                     _tile_zero(0);
                     _tile_zero(1);
@@ -251,7 +234,7 @@ int causal_attention_bf16(const bf16_t *q, int64_t q_stride, const bf16_t *k,
                     }
                 }
                 const bf16_t *vt0 = vt + ((kh * (kpad / 32) + k0 / 32) * (hd / 16)) * 512;
-#ifdef HAVE_TILES
+#ifdef HAVE_AMX
                 if (tiles) {
                     _tile_loadd(4, p, 64);
                     for (int64_t db = 0; db < hd / 16; db++) {
@@ -276,7 +259,7 @@ int causal_attention_bf16(const bf16_t *q, int64_t q_stride, const bf16_t *k,
                                         narrow16(_mm512_mul_ps(inv, _mm512_load_ps(o + r * hd + d))));
             }
         }
-#ifdef HAVE_TILES
+#ifdef HAVE_AMX
         if (tiles) _tile_release();
 #endif
     }

@@ -23,8 +23,7 @@ import torch
 
 from loraplex_kernels import cpu_gemm
 from loraplex_kernels.cpu_build import SOURCE_DIR, LazyLibrary
-
-DOT_PRODUCT, TILES = 1, 2  # causal_attention_variants()'s bits
+from loraplex_kernels.cpu_gemm import DOT_PRODUCT, TILES  # the variant bits both report
 
 
 def _declare(lib: ctypes.CDLL) -> None:

@@ -5,6 +5,29 @@
 
 #include "cpu_common.h"
 
+/* What a bf16 kernel of this build can run on: the AVX-512 BF16 dot-product instruction, and
+   AMX tiles as well (which need the tiles granted to the process first: cpu_gemm.c
+   amx_ready). */
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#define HAVE_DPBF16 1
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define HAVE_AMX 1
+#endif
+#endif
+
+/* Those as the variant bits a kernel library reports: 1 the dot-product variant, 2 (as
+   well) the AMX one. */
+static inline int bf16_variants(void) {
+    int variants = 0;
+#ifdef HAVE_DPBF16
+    variants |= 1;
+#endif
+#ifdef HAVE_AMX
+    variants |= 2;
+#endif
+    return variants;
+}
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 

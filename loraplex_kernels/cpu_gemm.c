@@ -8,28 +8,13 @@
 #include <stdint.h>
 #include <string.h>
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-#include <immintrin.h>
-#define HAVE_DPBF16 1
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#ifdef HAVE_AMX
 #include <sys/syscall.h>
 #include <unistd.h>
-#define HAVE_AMX 1
-#endif
 #endif
 
-/* What this build runs: 1 the dot-product variant, 2 (as well) the AMX one, which needs
-   the tiles granted first (amx_ready). */
-int gemm_variants(void) {
-    int variants = 0;
-#ifdef HAVE_DPBF16
-    variants |= 1;
-#endif
-#ifdef HAVE_AMX
-    variants |= 2;
-#endif
-    return variants;
-}
+/* What this build runs (bf16_variants: 1 the dot-product variant, 2 the AMX one as well). */
+int gemm_variants(void) { return bf16_variants(); }
 
 /* Whether this build has AMX and the kernel lets the process use its tile registers
    (Linux hands them out on request: arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA). */

@@ -26,7 +26,7 @@ import torch
 
 from loraplex_kernels.cpu_build import SOURCE_DIR, LazyLibrary, current_settings
 
-DOT_PRODUCT, TILES = 1, 2  # gemm_variants()'s bits
+DOT_PRODUCT, TILES = 1, 2  # the variant bits of gemm_variants() (cpu_avx512.h bf16_variants)
 # The most rows (tokens) the AMX variant takes: two A tiles of 16.
 MAX_TILE_ROWS = 32
 

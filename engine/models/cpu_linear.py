@@ -21,6 +21,7 @@ Elsewhere bf16 weights are packed for oneDNN where it has bf16 kernels for the C
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -78,12 +79,15 @@ class PackedLinear(nn.Module):
                     and cpu_gemm.uses_tiles())
         return cpu_gemm.available()
 
+    def _on_kernel(self, fn: Callable[..., torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        """cpu_gemm's `fn` (linear or linear_silu_mul) on x and this layer's weights."""
+        assert self.kernel_weight is not None
+        return fn(x if x.stride(1) == 1 else x.contiguous(), self.kernel_weight,
+                  self.out_features, self.bias, tiles=self.kernel_role == "tiles")
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._kernel_takes(x):
-            assert self.kernel_weight is not None
-            return cpu_gemm.linear(x if x.stride(1) == 1 else x.contiguous(),
-                                   self.kernel_weight, self.out_features, self.bias,
-                                   tiles=self.kernel_role == "tiles")
+            return self._on_kernel(cpu_gemm.linear, x)
         if self.packed_weight is None:  # the kernel switched off since: its weights, unpacked
             assert self.kernel_weight is not None
             weight = cpu_gemm.unpack_weight(self.kernel_weight, self.out_features)
@@ -100,10 +104,7 @@ class PackedLinear(nn.Module):
         NOTE: the same values bit for bit, without the [T, OUT] product written and read
         back: at 32 rows that pass was 66 us of a layer's ~1.3 ms decode step on AMX."""
         if self._kernel_takes(x) and cpu_gemm.silu_mul_fits(self.out_features):
-            assert self.kernel_weight is not None
-            return cpu_gemm.linear_silu_mul(x if x.stride(1) == 1 else x.contiguous(),
-                                            self.kernel_weight, self.out_features, self.bias,
-                                            tiles=self.kernel_role == "tiles")
+            return self._on_kernel(cpu_gemm.linear_silu_mul, x)
         return None
 
     def extra_repr(self) -> str:
