@@ -77,14 +77,6 @@ static inline __attribute__((always_inline)) void add_pv_dp(const bf16_t *p,
 }
 #endif
 
-#ifdef HAVE_AMX
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} TileConfig;
-#endif
-
 /* Causal attention of one sequence with nothing cached before it, in bf16: q [len, heads,
    hd] (rows q_stride apart), k and v [len, kv_heads, hd] (rows k_stride, v_stride apart),
    out [len, heads, hd] contiguous; query head h reads KV head h / (heads / kv_heads).

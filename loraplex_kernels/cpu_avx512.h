@@ -15,6 +15,15 @@
 #endif
 #endif
 
+#ifdef HAVE_AMX
+/* The tile configuration _tile_loadconfig reads (palette 1). */
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+#endif
+
 /* Those as the variant bits a kernel library reports: 1 the dot-product variant, 2 (as
    well) the AMX one. */
 static inline int bf16_variants(void) {

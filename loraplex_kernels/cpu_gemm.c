@@ -28,11 +28,6 @@ int amx_ready(void) {
 }
 
 #ifdef HAVE_AMX
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} TileConfig;
 
 /* How far ahead of the tile being read each weight stream is fetched, in bytes. */
 #define WEIGHT_PREFETCH 2048
