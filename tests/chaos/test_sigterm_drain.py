@@ -85,7 +85,14 @@ async def _scenario(
             for outcome in watched
         ]
         await asyncio.wait_for(first_chunk.wait(), 30)
-        await asyncio.sleep(0.05)
+        # Signal once a stream is past its role chunk (a token has come), not after a fixed
+        # delay: on a loaded machine the first token took longer than 50 ms after the role
+        # chunk, and the signal then came before any stream was under way.
+        async def a_token_came() -> None:
+            while not any(o.num_chunks > 1 for o in watched):
+                await asyncio.sleep(0.005)
+
+        await asyncio.wait_for(a_token_came(), 30)
         server.proc.send_signal(signal.SIGTERM)
         chunks_at_signal = [o.num_chunks for o in watched]
         signalled_at = time.monotonic()
