@@ -314,7 +314,7 @@ class AsyncEngine(RunsItsOwnRequests):
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         if self._failure is not None:
-            raise EngineDeadError(f"engine failed: {self._failure}")
+            raise EngineDeadError.failed(self._failure)
         if self._stopping:
             raise EngineDeadError("engine is shutting down")
         request_id = request.request_id
@@ -333,7 +333,7 @@ class AsyncEngine(RunsItsOwnRequests):
         with self._lock:
             dead = None
             if self._failure is not None:  # failed since the check above
-                dead = EngineDeadError(f"engine failed: {self._failure}")
+                dead = EngineDeadError.failed(self._failure)
             elif self._stopping:
                 dead = EngineDeadError("engine is shutting down")
             else:
@@ -434,7 +434,7 @@ class AsyncEngine(RunsItsOwnRequests):
         log.critical("engine failed, serving no more requests: %s", reason)
         with self._lock:
             self._failure = reason
-        self._fail_all(EngineDeadError(f"engine failed: {reason}"))
+        self._fail_all(EngineDeadError.failed(reason))
 
     def _fail_all(self, exc: BaseException) -> None:
         self._streams.fail_all(exc)

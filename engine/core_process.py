@@ -360,8 +360,8 @@ class ProcessEngine(TokenizingClient, RunsItsOwnRequests):
         if self._failure is None:
             log.critical("engine failed, serving no more requests: %s", reason)
             self._failure = reason
-        self._streams.fail_all(EngineDeadError(f"engine failed: {reason}"))
-        self._fail_calls(EngineDeadError(f"engine failed: {reason}"))
+        self._streams.fail_all(EngineDeadError.failed(reason))
+        self._fail_calls(EngineDeadError.failed(reason))
 
     def _fail_calls(self, exc: BaseException) -> None:
         with self._calls_lock:
@@ -374,7 +374,7 @@ class ProcessEngine(TokenizingClient, RunsItsOwnRequests):
     def _call(self, name: str, *args: Any) -> concurrent.futures.Future[Any]:
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()
         if self._failure is not None:
-            future.set_exception(EngineDeadError(f"engine failed: {self._failure}"))
+            future.set_exception(EngineDeadError.failed(self._failure))
             return future
         call_id = next(self._call_ids)
         with self._calls_lock:
@@ -475,7 +475,7 @@ class ProcessEngine(TokenizingClient, RunsItsOwnRequests):
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         if self._failure is not None:
-            raise EngineDeadError(f"engine failed: {self._failure}")
+            raise EngineDeadError.failed(self._failure)
         if self._stopping:
             raise EngineDeadError("engine is shutting down")
         request_id = request.request_id
@@ -483,7 +483,7 @@ class ProcessEngine(TokenizingClient, RunsItsOwnRequests):
         self._send(("add", request))
         if self._failure is not None:  # failed meanwhile: the reader may have missed it
             self._streams.close(request_id)
-            raise EngineDeadError(f"engine failed: {self._failure}")
+            raise EngineDeadError.failed(self._failure)
         try:
             async for item in read_stream(stream):
                 yield item

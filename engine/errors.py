@@ -70,9 +70,24 @@ class EngineStepError(EngineError, RuntimeError):
 
 
 class EngineDeadError(EngineError, RuntimeError):
-    """The engine failed for good or shut down; requests in flight end with this error."""
+    """The engine failed for good or shut down; requests in flight end with this error.
+
+    `failure` names what failed (`EngineDeadError.failed`); it is None for a shutdown.
+    """
 
     code = "engine_failed"
+
+    def __init__(self, message: str, failure: str | None = None) -> None:
+        super().__init__(message, failure)
+        self.failure = failure
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+    @classmethod
+    def failed(cls, reason: str) -> EngineDeadError:
+        """The engine failed for good because of `reason` (not a shutdown)."""
+        return cls(f"engine failed: {reason}", reason)
 
 
 class EngineUnavailable(EngineError, RuntimeError):

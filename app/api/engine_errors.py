@@ -14,6 +14,7 @@ from app.api.errors import (
 )
 from engine.errors import (
     AdapterUnavailable,
+    EngineDeadError,
     EngineStepError,
     NoWorkerAvailable,
     RequestRejected,
@@ -81,10 +82,13 @@ def api_error_of(
         return worker_lost()
     if isinstance(exc, ValueError):
         return invalid_request(str(exc))
-    # NOTE: a step that failed on this request is a 500 even when the engine has failed
-    # for good since (that failure is what starts the drain): retrying it elsewhere is the
-    # client's call, not a shutdown's.
-    if draining and not isinstance(exc, EngineStepError):
+    # NOTE: a step that failed on this request, or the engine failing for good under it,
+    # is a 500 even though the drain has begun since (that failure is what starts it):
+    # retrying it elsewhere is the client's call, not a shutdown's.
+    failed = isinstance(exc, EngineStepError) or (
+        isinstance(exc, EngineDeadError) and exc.failure is not None
+    )
+    if draining and not failed:
         return aborted_by_server()
     logger.error("engine request %s failed", request_id, exc_info=exc)
     return server_error()

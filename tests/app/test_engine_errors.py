@@ -25,8 +25,19 @@ def test_a_step_that_failed_on_the_request_is_a_500_even_once_the_drain_began(
 
 
 def test_a_request_cut_off_by_the_drain_is_a_503() -> None:
-    assert _status(EngineDeadError("engine failed: x"), draining=True) == (503, "overloaded")
-    assert _status(EngineDeadError("engine failed: x"), draining=False)[0] == 500
+    assert _status(EngineDeadError("engine shut down"), draining=True) == (503, "overloaded")
+    assert _status(EngineDeadError("engine shut down"), draining=False)[0] == 500
+
+
+@pytest.mark.parametrize("draining", [False, True])
+def test_a_request_the_failed_engine_ended_is_a_500_even_once_the_drain_began(
+    draining: bool,
+) -> None:
+    # The engine process was killed: the server drains because of it, and whether the
+    # stream hears of the failure before or after the drain began must not matter.
+    dead = EngineDeadError.failed("the engine process exited (exit code -9)")
+    assert str(dead) == "engine failed: the engine process exited (exit code -9)"
+    assert _status(dead, draining=draining) == (500, None)
 
 
 def test_refusals_and_lost_workers_keep_their_status_while_draining() -> None:

@@ -113,7 +113,11 @@ def service(
     base = tiny_model_factory("llama_gqa")
     root = tmp_path_factory.mktemp("fuzz_api")
     adapter_dir = make_peft_adapter(base, root / "lora", r=4, alpha=8, seed=5)
-    with real_service(base, root, engine_options={"max_loras": 2}) as live, \
+    # NOTE: a context of 96 tokens, not the tiny model's 256: a generation without a
+    # max_tokens (the admin key has no per-request cap) runs to the end of the context,
+    # and the fuzzer sends hundreds of them; long prompts are refused the same way.
+    with real_service(base, root, engine_options={"max_loras": 2, "max_model_len": 96}
+                      ) as live, \
             httpx.Client(base_url=live.base_url, timeout=60) as admin:
         assert admin.post("/admin/plans", json=PLAN, headers=bearer(ADMIN_KEY)
                           ).status_code == 201
