@@ -78,11 +78,8 @@ class EngineDeadError(EngineError, RuntimeError):
     code = "engine_failed"
 
     def __init__(self, message: str, failure: str | None = None) -> None:
-        super().__init__(message, failure)
+        super().__init__(message)
         self.failure = failure
-
-    def __str__(self) -> str:
-        return str(self.args[0])
 
     @classmethod
     def failed(cls, reason: str) -> EngineDeadError:
