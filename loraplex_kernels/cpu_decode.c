@@ -29,16 +29,31 @@ static inline void softmax_rows(float *scores, int64_t heads, int64_t len) {
     }
 }
 
-/* bf16 on CPUs with AVX-512 BF16, head dims 64 and 128: the scores of 16 cache rows at
-   once (their 16 horizontal sums in one transpose by adds, instead of a reduction per dot
-   product) and the weighted sum of V with every query head of a KV head accumulating in
-   registers, each V row widened once. With K/V in the last-level cache that is 2.3x the
-   loop of cpu_decode_typed.h; in a decode step, where each layer's K/V comes from memory
-   in scattered blocks, the wait on memory dominates and the gain is small
-   (docs/BENCHMARKS.md). */
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
-#include <immintrin.h>
-#define HAVE_DPBF16 1
+/* bf16 on CPUs with AVX-512 BF16, head dims 64 and 128, blocks of 16 rows or more: one
+   pass over the sequence's blocks with the softmax carried along (a running max and sum
+   per query head; the weighted sums rescaled as the max grows), so that each block's K
+   and V rows are used together while the next blocks' rows come from memory.
+
+   The fetch of those rows is spread over the work: with the rows of a whole block
+   prefetched at once (192 lines for SmolLM2's 3 KV heads), the prefetches waiting for
+   the L2's miss buffers held up the loads behind them, and the step's memory time and
+   compute time added up (a 32-row step's attention 20-25 ms, against 13 ms for the
+   reads alone on a Zen 4: docs/BENCHMARKS.md). Here each query head's 16 scores are
+   followed by a few rows' prefetches, into L2.
+
+   The scores of 16 rows at once (their 16 horizontal sums in one transpose by adds,
+   instead of a reduction per dot product); the weighted sum of V with every query head of
+   a KV head accumulating in registers, each V row widened once. */
+#include "cpu_avx512.h"
+#ifdef HAVE_DPBF16
+
+/* How many blocks ahead rows are fetched (1-3 within 4% on a Zen 4; 2 leaves room for a
+   slower memory). */
+#define FETCH_AHEAD 2
+
+static inline __attribute__((always_inline)) void prefetch_l2(const bf16_t *p, int64_t nbytes) {
+    for (int64_t b = 0; b < nbytes; b += 64) __builtin_prefetch((const char *)p + b, 0, 2);
+}
 
 /* Lane i of the result: the sum of v[i]'s 16 lanes. */
 static inline __attribute__((always_inline)) __m512 sum16_lanes(const __m512 *v) {
@@ -57,11 +72,11 @@ static inline __attribute__((always_inline)) __m512 sum16_lanes(const __m512 *v)
                          _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-/* out[i] = (q . k_i) * scale for the 16 bf16 rows k_i = k + i * stride of HD values. */
+/* Lane i: (q . k_i) * scale for the 16 bf16 rows k_i = k + i * stride of HD values (each
+   lane sums its own row only, so a stale row past the context spoils its lane alone). */
 #define SCORES16(HD)                                                                       \
-    static inline __attribute__((always_inline)) void scores16_##HD(                      \
-        const bf16_t *restrict q, const bf16_t *restrict k, int64_t stride, float scale,  \
-        float *restrict out) {                                                            \
+    static inline __attribute__((always_inline)) __m512 scores16_##HD(                    \
+        const bf16_t *restrict q, const bf16_t *restrict k, int64_t stride, float scale) { \
         __m512 acc[16];                                                                   \
         for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();                        \
         for (int d = 0; d < HD; d += 32) {                                                \
@@ -70,38 +85,29 @@ static inline __attribute__((always_inline)) __m512 sum16_lanes(const __m512 *v)
                 acc[i] = _mm512_dpbf16_ps(acc[i], qd,                                     \
                                           (__m512bh)_mm512_loadu_si512(k + i * stride + d)); \
         }                                                                                 \
-        _mm512_storeu_ps(out, _mm512_mul_ps(sum16_lanes(acc), _mm512_set1_ps(scale)));    \
+        return _mm512_mul_ps(sum16_lanes(acc), _mm512_set1_ps(scale));                    \
     }
 SCORES16(64)
 SCORES16(128)
 
-/* bf16 x 16 -> float32 x 16 (exact: the bits shifted into the high half). */
-static inline __attribute__((always_inline)) __m512 widen16(const bf16_t *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(
-        _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-}
-
-/* out_g = sum_t p_g[t] v_t for GW query heads g of one KV head (p_g = p + g * len), v_t
-   the HD values of that head in token t's cache row: rows of block table[t / bs] start
-   at value_cache + (table[t / bs] * bs + t % bs) * row + off. */
+/* out_g = out_g * alpha_g + sum_i p_g[i] v_i for GW query heads g of one KV head, over
+   the n <= 16 rows v_i = v + i * row of HD values (p_g = p + 16 g, out_g = out + g HD). */
 #define WEIGHTED_SUM(GW, HD)                                                              \
     static inline __attribute__((always_inline)) void weighted_sum_##GW##_##HD(           \
-        const bf16_t *value_cache, const int64_t *table, int64_t bs, int64_t row,         \
-        int64_t off, int64_t len, const float *p, float *restrict out) {                  \
+        const bf16_t *restrict v, int64_t row, int64_t n, const float *restrict p,        \
+        const float *restrict alpha, float *restrict out) {                               \
         __m512 acc[GW][HD / 16];                                                          \
         for (int g = 0; g < GW; g++)                                                      \
-            for (int c = 0; c < HD / 16; c++) acc[g][c] = _mm512_setzero_ps();            \
-        for (int64_t t0 = 0; t0 < len; t0 += bs) {                                        \
-            const int64_t n = len - t0 < bs ? len - t0 : bs;                              \
-            const bf16_t *v = value_cache + table[t0 / bs] * bs * row + off;              \
-            for (int64_t i = 0; i < n; i++) {                                             \
-                __m512 vf[HD / 16];                                                       \
-                for (int c = 0; c < HD / 16; c++) vf[c] = widen16(v + i * row + 16 * c);  \
-                for (int g = 0; g < GW; g++) {                                            \
-                    const __m512 pg = _mm512_set1_ps(p[g * len + t0 + i]);                \
-                    for (int c = 0; c < HD / 16; c++)                                     \
-                        acc[g][c] = _mm512_fmadd_ps(pg, vf[c], acc[g][c]);                \
-                }                                                                         \
+            for (int c = 0; c < HD / 16; c++)                                             \
+                acc[g][c] = _mm512_mul_ps(_mm512_loadu_ps(out + g * HD + 16 * c),         \
+                                          _mm512_set1_ps(alpha[g]));                      \
+        for (int64_t i = 0; i < n; i++) {                                                 \
+            __m512 vf[HD / 16];                                                           \
+            for (int c = 0; c < HD / 16; c++) vf[c] = widen16_bf16(v + i * row + 16 * c); \
+            for (int g = 0; g < GW; g++) {                                                \
+                const __m512 pg = _mm512_set1_ps(p[16 * g + i]);                          \
+                for (int c = 0; c < HD / 16; c++)                                         \
+                    acc[g][c] = _mm512_fmadd_ps(pg, vf[c], acc[g][c]);                    \
             }                                                                             \
         }                                                                                 \
         for (int g = 0; g < GW; g++)                                                      \
@@ -113,55 +119,75 @@ WEIGHTED_SUM(3, 64)
 WEIGHTED_SUM(1, 128)
 WEIGHTED_SUM(2, 128)
 
-/* attend() for bf16 with HD 64 or 128 and blocks of 16 rows or more: scores[j * len + t],
-   then acc [heads, HD] (see attend_impl). Rows past a block's last full 16 go one by one. */
+/* attend() for bf16 (see attend_impl): the query heads of KV heads [h0, h1) of one
+   sequence, their outputs into acc [heads, HD]; work: DPBF16_WORK(heads) floats. */
+#define DPBF16_WORK(heads) (19 * (heads))
 #define ATTEND_DPBF16(HD, GW)                                                             \
     static void attend_dpbf16_##HD(const bf16_t *query, const bf16_t *key_cache,          \
                                    const bf16_t *value_cache, const int64_t *table,       \
                                    int64_t bs, int64_t row, int64_t h0, int64_t h1,       \
                                    int64_t groups, int64_t len, float scale,              \
-                                   float *restrict scores, float *restrict acc) {         \
-        for (int64_t t0 = 0; t0 < len && t0 < 2 * bs; t0 += bs)                           \
-            for (int64_t i = 0; i < bs && t0 + i < len; i++)                              \
-                prefetch_row(key_cache + table[t0 / bs] * bs * row + h0 * HD + i * row,   \
-                             (h1 - h0) * HD * 2);                                         \
-        for (int64_t t0 = 0; t0 < len; t0 += bs) {                                        \
-            const int64_t n = len - t0 < bs ? len - t0 : bs;                              \
-            const bf16_t *k = key_cache + table[t0 / bs] * bs * row + h0 * HD;            \
-            /* K two blocks ahead; this block's V now, for the weighted sum after the  \
-               softmax (a sequence's K and V fit in L2) */                                \
+                                   float *restrict work, float *restrict acc) {           \
+        const int64_t heads = (h1 - h0) * groups, nbytes = (h1 - h0) * HD * 2;            \
+        /* this chunk's probabilities [heads, 16]; per head: the factor its sums take   \
+           for the chunk's new max, the running max and the running sum */                \
+        float *restrict p = work, *restrict alpha = work + 16 * heads;                    \
+        float *restrict m = alpha + heads, *restrict l = m + heads;                       \
+        for (int64_t j = 0; j < heads; j++) m[j] = -INFINITY, l[j] = 0.0f;                \
+        for (int64_t i = 0; i < heads * HD; i++) acc[i] = 0.0f;                           \
+        const int64_t nblocks = (len + bs - 1) / bs;                                      \
+        /* every row of a chunk is prefetched once: K's 16, then V's, a few per head */   \
+        const int64_t per_head = (32 + heads - 1) / heads;                                \
+        for (int64_t b = 0; b < nblocks && b < FETCH_AHEAD; b++)                          \
             for (int64_t i = 0; i < bs; i++) {                                            \
-                if (t0 + 2 * bs < len)                                                    \
-                    prefetch_row(key_cache + table[t0 / bs + 2] * bs * row + h0 * HD +    \
-                                 i * row, (h1 - h0) * HD * 2);                            \
-                if (i < n)                                                                \
-                    prefetch_row(value_cache + table[t0 / bs] * bs * row + h0 * HD +      \
-                                 i * row, (h1 - h0) * HD * 2);                            \
+                prefetch_l2(key_cache + (table[b] * bs + i) * row + h0 * HD, nbytes);     \
+                prefetch_l2(value_cache + (table[b] * bs + i) * row + h0 * HD, nbytes);   \
             }                                                                             \
-            for (int64_t kh = 0; kh < h1 - h0; kh++)                                      \
-                for (int64_t g = 0; g < groups; g++) {                                    \
-                    const int64_t j = kh * groups + g;                                    \
-                    const bf16_t *qj = query + j * HD;                                    \
-                    int64_t i = 0;                                                        \
-                    for (; i + 16 <= n; i += 16)                                          \
-                        scores16_##HD(qj, k + i * row + kh * HD, row, scale,              \
-                                      scores + j * len + t0 + i);                         \
-                    for (; i < n; i++)                                                    \
-                        scores[j * len + t0 + i] =                                        \
-                            dot_bf16(qj, k + i * row + kh * HD, HD) * scale;              \
+        for (int64_t b = 0; b < nblocks; b++) {                                           \
+            const int64_t n = len - b * bs < bs ? len - b * bs : bs;                      \
+            const bf16_t *k = key_cache + table[b] * bs * row + h0 * HD;                  \
+            const bf16_t *v = value_cache + table[b] * bs * row + h0 * HD;                \
+            const int64_t ahead = b + FETCH_AHEAD < nblocks ? table[b + FETCH_AHEAD] : -1; \
+            for (int64_t i0 = 0; i0 < n; i0 += 16) {                                      \
+                const int64_t nn = n - i0 < 16 ? n - i0 : 16;                             \
+                /* rows past the context hold stale values: their scores -inf, their     \
+                   probabilities 0, and the weighted sums stop before them */             \
+                const __mmask16 valid = (__mmask16)((1u << nn) - 1u);                     \
+                for (int64_t j = 0; j < heads; j++) {                                     \
+                    if (ahead >= 0)                                                       \
+                        for (int64_t r = j * per_head; r < (j + 1) * per_head && r < 32; r++) \
+                            prefetch_l2((r < 16 ? key_cache : value_cache) +              \
+                                            (ahead * bs + i0 + (r & 15)) * row + h0 * HD, \
+                                        nbytes);                                          \
+                    const __m512 s = _mm512_mask_mov_ps(                                  \
+                        _mm512_set1_ps(-INFINITY), valid,                                 \
+                        scores16_##HD(query + j * HD, k + i0 * row + (j / groups) * HD,   \
+                                      row, scale));                                       \
+                    const float mx = _mm512_reduce_max_ps(s);                             \
+                    const float m1 = mx > m[j] ? mx : m[j];                               \
+                    const __m512 e = _mm512_maskz_mov_ps(                                 \
+                        valid, exp16(_mm512_sub_ps(s, _mm512_set1_ps(m1))));              \
+                    alpha[j] = m[j] == m1 ? 1.0f : m[j] == -INFINITY ? 0.0f : exp_f32(m[j] - m1); \
+                    l[j] = l[j] * alpha[j] + _mm512_reduce_add_ps(e);                     \
+                    m[j] = m1;                                                            \
+                    _mm512_storeu_ps(p + 16 * j, e);                                      \
                 }                                                                         \
+                for (int64_t kh = 0; kh < h1 - h0; kh++) {                                \
+                    const bf16_t *vk = v + i0 * row + kh * HD;                            \
+                    const int64_t j0 = kh * groups;                                       \
+                    int64_t g = 0;                                                        \
+                    for (; g + GW <= groups; g += GW)                                     \
+                        weighted_sum_##GW##_##HD(vk, row, nn, p + 16 * (j0 + g),          \
+                                                 alpha + j0 + g, acc + (j0 + g) * HD);    \
+                    for (; g < groups; g++)                                               \
+                        weighted_sum_1_##HD(vk, row, nn, p + 16 * (j0 + g),               \
+                                            alpha + j0 + g, acc + (j0 + g) * HD);         \
+                }                                                                         \
+            }                                                                             \
         }                                                                                 \
-        softmax_rows(scores, (h1 - h0) * groups, len);                                    \
-        for (int64_t kh = 0; kh < h1 - h0; kh++) {                                        \
-            int64_t g = 0;                                                                \
-            for (; g + GW <= groups; g += GW)                                             \
-                weighted_sum_##GW##_##HD(value_cache, table, bs, row, (h0 + kh) * HD, len,  \
-                                         scores + (kh * groups + g) * len,                \
-                                         acc + (kh * groups + g) * HD);                   \
-            for (; g < groups; g++)                                                       \
-                weighted_sum_1_##HD(value_cache, table, bs, row, (h0 + kh) * HD, len,     \
-                                    scores + (kh * groups + g) * len,                     \
-                                    acc + (kh * groups + g) * HD);                        \
+        for (int64_t j = 0; j < heads; j++) {                                             \
+            const float inv = 1.0f / l[j];                                                \
+            for (int64_t d = 0; d < HD; d++) acc[j * HD + d] *= inv;                      \
         }                                                                                 \
     }
 ATTEND_DPBF16(64, 3)

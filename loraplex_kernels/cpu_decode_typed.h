@@ -122,7 +122,8 @@ int SFX(paged_decode_attention)(
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
-        const int64_t width = max_len > 0 ? max_len : 1;
+        /* scores [heads, width]: the bf16 kernel's work (DPBF16_WORK) at least */
+        const int64_t width = max_len > 19 ? max_len : 19;
         const int64_t heads = num_heads / split;
         float *scores = (float *)malloc(sizeof(float) * (heads * (width + head_dim) + head_dim));
         if (scores == NULL) {

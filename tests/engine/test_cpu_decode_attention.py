@@ -89,12 +89,22 @@ def test_kernel_matches_reference_and_dense(
         torch.testing.assert_close(out[i : i + 1], dense, atol=2e-6, rtol=1e-5)
 
 
-def test_kernel_reads_only_each_sequences_own_tokens() -> None:
+# The bf16 case runs the AVX-512 BF16 loop where the CPU has it: 16 rows read at once,
+# stale rows past the context among them.
+@pytest.mark.parametrize(
+    ("dtype", "block_size", "num_heads", "num_kv_heads", "head_dim"),
+    [(torch.float32, 8, 4, 2, 16), (torch.bfloat16, 16, 9, 3, 64)],
+)
+def test_kernel_reads_only_each_sequences_own_tokens(
+    dtype: torch.dtype, block_size: int, num_heads: int, num_kv_heads: int, head_dim: int
+) -> None:
     """Garbage past a context's end, in its last block and in the padding, changes nothing;
     a token inside it does."""
-    lens = [5, 21]
-    key_cache, value_cache, tables, _, _ = _layout(lens, 8, 2, 16, seed=3)
-    query = torch.randn(2, 4, 16)
+    lens = [5, 2 * block_size + 5]
+    key_cache, value_cache, tables, _, _ = _layout(lens, block_size, num_kv_heads, head_dim,
+                                                   seed=3)
+    key_cache, value_cache = key_cache.to(dtype), value_cache.to(dtype)
+    query = torch.randn(2, num_heads, head_dim).to(dtype)
     context_lens = torch.tensor(lens)
 
     def run() -> torch.Tensor:
@@ -103,12 +113,15 @@ def test_kernel_reads_only_each_sequences_own_tokens() -> None:
         )
 
     before = run()
+    assert before.isfinite().all()
     last = int(tables[0, 0])
     key_cache[last, 5:] = 1e4  # slots 5.. of sequence 0's only block: past its end
     value_cache[last, 5:] = float("nan")
+    key_cache[int(tables[1, 2]), 5:] = float("nan")  # and of sequence 1's last block
+    value_cache[int(tables[1, 2]), 5:] = float("inf")
     key_cache[int(tables[1, 3])] = float("nan")  # sequence 1's padding column
     torch.testing.assert_close(run(), before, rtol=0, atol=0)
-    key_cache[int(tables[1, 2]), 4] += 1.0  # token 20 of sequence 1: its last
+    key_cache[int(tables[1, 2]), 4] += 1.0  # token 2 * block_size + 4 of sequence 1: its last
     after = run()
     torch.testing.assert_close(after[0], before[0], rtol=0, atol=0)
     assert not torch.allclose(after[1], before[1])
