@@ -44,8 +44,12 @@ system-deps:
 	  (apt-get update -q >/dev/null && \
 	   apt-get install -y -q --no-install-recommends $(SYSTEM_PACKAGES) >/dev/null); fi
 
+# One pytest-xdist worker per core, at most 4 (tests/conftest.py pins each to its core;
+# each takes a Redis database of its own, 15 down).
+TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ $$n -gt 4 ] && n=4; echo $$n)
+
 test: install system-deps
-	$(BIN)/pytest -q -ra
+	$(BIN)/pytest -q -ra -n $(TEST_WORKERS) --dist loadfile
 
 test-fast: install
 	$(BIN)/pytest -q -ra -m "not slow"

@@ -120,8 +120,7 @@ WEIGHTED_SUM(1, 128)
 WEIGHTED_SUM(2, 128)
 
 /* attend() for bf16 (see attend_impl): the query heads of KV heads [h0, h1) of one
-   sequence, their outputs into acc [heads, HD]; work: DPBF16_WORK(heads) floats. */
-#define DPBF16_WORK(heads) (19 * (heads))
+   sequence, their outputs into acc [heads, HD]; work: 19 floats a head. */
 #define ATTEND_DPBF16(HD, GW)                                                             \
     static void attend_dpbf16_##HD(const bf16_t *query, const bf16_t *key_cache,          \
                                    const bf16_t *value_cache, const int64_t *table,       \

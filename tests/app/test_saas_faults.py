@@ -96,7 +96,10 @@ def test_lease_of_a_killed_replica_expires(
             with httpx.stream("POST", f"{victim}/v1/chat/completions", json=body,
                               headers=bearer(key), timeout=30) as stream:
                 assert stream.status_code == 200
-                next(stream.iter_lines())  # running: it holds the tenant's only lease
+                # NOTE: the iterator is kept: dropped, it would close the response (the
+                # server then ends the request and frees the lease before the kill).
+                lines = stream.iter_lines()
+                next(lines)  # running: it holds the tenant's only lease
                 os.kill(proc.pid, signal.SIGKILL)
                 killed_at = time.monotonic()
                 proc.wait(10)
