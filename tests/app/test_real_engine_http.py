@@ -173,8 +173,11 @@ def test_client_disconnect_aborts_and_frees_blocks(served) -> None:
         http.stream("POST", "/v1/completions", json=body) as resp,
     ):
         assert resp.status_code == 200
+        # NOTE: the iterator is kept past the loop: dropped at the break, it closed the
+        # stream, and the server could free the request before the check below.
+        stream = resp.iter_lines()
         lines = 0
-        for line in resp.iter_lines():
+        for line in stream:
             if line.startswith("data: "):
                 lines += 1
             if lines >= 3:
