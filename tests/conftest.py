@@ -36,6 +36,12 @@ def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(UserDataGuard(CACHE_DATA_DIR), "loraplex-user-data-guard")
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked `long` first, the rest in their order: under `make test`'s workers the
+    longest one starts at once, not at the end with the other workers waiting for it."""
+    items.sort(key=lambda item: item.get_closest_marker("long") is None)
+
+
 def pytest_unconfigure(config: pytest.Config) -> None:
     from tests.utils.user_data import remove_isolated
 

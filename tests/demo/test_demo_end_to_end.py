@@ -128,6 +128,7 @@ def ask(client: openai.OpenAI, model: str, question: str) -> tuple[str, str]:
 
 # Under `make test` the demo trains on one core (one pytest-xdist worker's): 2-3 minutes
 # of training where two cores take about one.
+@pytest.mark.long
 @pytest.mark.timeout(1200)
 def test_demo_adapters_answer_as_trained(
     start_demo: Callable[[], DemoProcess], tmp_path: Path
