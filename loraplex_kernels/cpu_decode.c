@@ -13,6 +13,11 @@ static inline void prefetch_row(const void *p, int64_t nbytes) {
     for (int64_t i = 0; i < nbytes; i += 64) __builtin_prefetch((const char *)p + i, 0, 2);
 }
 
+/* Floats of work a query head needs in the bf16 loop below: its 16 probabilities of a
+   chunk, their factor, the running max and the running sum (cpu_decode_typed.h sizes
+   the work buffers from it). */
+#define DPBF16_WORK_PER_HEAD 19
+
 /* Each of the `heads` rows of scores [heads, len] becomes its softmax, in place. */
 static inline void softmax_rows(float *scores, int64_t heads, int64_t len) {
     for (int64_t j = 0; j < heads; j++) {
@@ -52,10 +57,6 @@ static inline void softmax_rows(float *scores, int64_t heads, int64_t len) {
 /* How many blocks ahead rows are fetched (1-3 within 4% on a Zen 4; 2 leaves room for a
    slower memory). */
 #define FETCH_AHEAD 2
-
-static inline __attribute__((always_inline)) void prefetch_l2(const bf16_t *p, int64_t nbytes) {
-    for (int64_t b = 0; b < nbytes; b += 64) __builtin_prefetch((const char *)p + b, 0, 2);
-}
 
 /* Lane i of the result: the sum of v[i]'s 16 lanes. */
 static inline __attribute__((always_inline)) __m512 sum16_lanes(const __m512 *v) {
@@ -122,7 +123,7 @@ WEIGHTED_SUM(1, 128)
 WEIGHTED_SUM(2, 128)
 
 /* attend() for bf16 (see attend_impl): the query heads of KV heads [h0, h1) of one
-   sequence, their outputs into acc [heads, HD]; work: 19 floats a head. */
+   sequence, their outputs into acc [heads, HD]; work: DPBF16_WORK_PER_HEAD floats a head. */
 #define ATTEND_DPBF16(HD, GW)                                                             \
     static void attend_dpbf16_##HD(const bf16_t *query, const bf16_t *key_cache,          \
                                    const bf16_t *value_cache, const int64_t *table,       \
@@ -141,8 +142,8 @@ WEIGHTED_SUM(2, 128)
         const int64_t per_head = (32 + heads - 1) / heads;                                \
         for (int64_t b = 0; b < nblocks && b < FETCH_AHEAD; b++)                          \
             for (int64_t i = 0; i < bs; i++) {                                            \
-                prefetch_l2(key_cache + (table[b] * bs + i) * row + h0 * HD, nbytes);     \
-                prefetch_l2(value_cache + (table[b] * bs + i) * row + h0 * HD, nbytes);   \
+                prefetch_row(key_cache + (table[b] * bs + i) * row + h0 * HD, nbytes);     \
+                prefetch_row(value_cache + (table[b] * bs + i) * row + h0 * HD, nbytes);   \
             }                                                                             \
         for (int64_t b = 0; b < nblocks; b++) {                                           \
             const int64_t n = len - b * bs < bs ? len - b * bs : bs;                      \
@@ -157,7 +158,7 @@ WEIGHTED_SUM(2, 128)
                 for (int64_t j = 0; j < heads; j++) {                                     \
                     if (ahead >= 0)                                                       \
                         for (int64_t r = j * per_head; r < (j + 1) * per_head && r < 32; r++) \
-                            prefetch_l2((r < 16 ? key_cache : value_cache) +              \
+                            prefetch_row((r < 16 ? key_cache : value_cache) +              \
                                             (ahead * bs + i0 + (r & 15)) * row + h0 * HD, \
                                         nbytes);                                          \
                     const __m512 s = _mm512_mask_mov_ps(                                  \

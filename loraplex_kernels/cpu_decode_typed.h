@@ -122,8 +122,8 @@ int SFX(paged_decode_attention)(
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
-        /* scores [heads, width], and at least the bf16 loop's work (19 floats a head) */
-        const int64_t width = max_len > 19 ? max_len : 19;
+        /* scores [heads, width], and at least the bf16 loop's work */
+        const int64_t width = max_len > DPBF16_WORK_PER_HEAD ? max_len : DPBF16_WORK_PER_HEAD;
         const int64_t heads = num_heads / split;
         float *scores = (float *)malloc(sizeof(float) * (heads * (width + head_dim) + head_dim));
         if (scores == NULL) {
