@@ -2,7 +2,8 @@
 
 `loraplex bench quant-kernels`: the linear layers of a step of SmolLM2's shapes (each
 layer's own weights, so that they come from memory as in a step) in oneDNN at float32 and
-bf16, in torch's weight-only int8 / int4 kernels, and in ours, at each row count.
+bf16, in torch's weight-only int8 / int4 kernels, and in ours (weight-only int8 / int4,
+and w8a8), at each row count.
 
 `loraplex bench quant-quality`: perplexity of a fixed text under each weight
 quantization scheme, and each scheme's weight bytes.
@@ -52,7 +53,7 @@ def run_quant_kernels(options: QuantKernelsOptions) -> dict[str, dict[str, float
     import torch
 
     from engine.models.cpu_linear import packing_available
-    from loraplex_kernels import cpu_quant
+    from loraplex_kernels import cpu_gemm, cpu_qdot, cpu_quant
 
     gen = torch.Generator().manual_seed(0)
     weights = [[torch.randn(n, k, generator=gen) * 0.02 for n, k in SMOLLM2_LAYER]
@@ -75,6 +76,16 @@ def run_quant_kernels(options: QuantKernelsOptions) -> dict[str, dict[str, float
         quantized = [cpu_quant.quantize(w, bits, group) for w in flat]
         ways[f"ours int{bits}"] = [(torch.float32, lambda x, q=q: cpu_quant.linear(x, q))
                                    for q in quantized]
+    if cpu_gemm.available():
+        # What an unquantized bf16 model's linears run on AVX-512 BF16 CPUs.
+        packed_bf16 = [cpu_gemm.pack_weight(w.to(torch.bfloat16)) for w in flat]
+        ways["ours bf16 (unquantized)"] = [
+            (torch.bfloat16, lambda x, p=p, n=w.shape[0]: cpu_gemm.linear(x, p, n))
+            for p, w in zip(packed_bf16, flat, strict=True)]
+    # w8a8: int8 weights and int8 activations (bf16 rows in, as served on VNNI CPUs).
+    ways["ours w8a8 (bf16)"] = [
+        (torch.bfloat16, lambda x, q=q: cpu_qdot.linear(x, q))
+        for q in (cpu_qdot.quantize(w) for w in flat)]
     if options.torch_kernels:
         int8 = []
         int4 = []
@@ -121,7 +132,7 @@ def run_quant_kernels(options: QuantKernelsOptions) -> dict[str, dict[str, float
 class QuantQualityOptions:
     model: str = opt("default", "'default' (bundled SmolLM2) or a local HF directory")
     text: Path = opt(DEFAULT_TEXT, "the text scored", shown="tests/data/perplexity.txt")
-    schemes: tuple[str, ...] = opt(("none", "int8", "int4", "int4:64", "int8:32"),
+    schemes: tuple[str, ...] = opt(("none", "int8", "int4", "int4:64", "int8:32", "w8a8"),
                                    "SCHEME or SCHEME:GROUP_SIZE")
     output: Path | None = opt(None, "JSON report",
                               shown="bench/results/quant-quality-<timestamp>.json")

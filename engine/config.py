@@ -27,8 +27,9 @@ def default_dtype() -> str:
     return os.environ.get("LORAPLEX_DTYPE", "auto")
 
 
-# Weight-only quantization of a base model (engine/models/quantized.py).
-SCHEMES = ("none", "int8", "int4", "fp8")
+# Quantization of a base model (engine/models/quantized.py): weight-only int8 / int4 / fp8,
+# or int8 weights with int8 activations (w8a8).
+SCHEMES = ("none", "int8", "int4", "fp8", "w8a8")
 DEFAULT_INT4_GROUP_SIZE = 32
 
 
@@ -53,7 +54,13 @@ class QuantizationSpec:
 
     @property
     def bits(self) -> int:
-        return {"int8": 8, "int4": 4, "fp8": 8}.get(self.scheme, 0)
+        return {"int8": 8, "int4": 4, "fp8": 8, "w8a8": 8}.get(self.scheme, 0)
+
+    @property
+    def int8_activations(self) -> bool:
+        """Whether the linear layers' inputs are quantized to int8 too (w8a8), not only
+        their weights."""
+        return self.scheme == "w8a8"
 
     @property
     def group(self) -> int | None:
@@ -88,6 +95,8 @@ class QuantizationSpec:
         if not self.enabled:
             return "none"
         group = self.group
+        if self.int8_activations:
+            return "w8a8 (int8 weights per channel, int8 activations in groups)"
         return f"{self.scheme} ({'per channel' if group is None else f'groups of {group}'})"
 
 

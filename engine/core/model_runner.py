@@ -49,7 +49,7 @@ from engine.runtime.host_memory import (
     keep_freed_activation_memory,
     release_free_memory,
 )
-from loraplex_kernels import cpu_build, cpu_decode, cpu_ops
+from loraplex_kernels import cpu_build, cpu_decode, cpu_ops, cpu_qdot
 from loraplex_kernels.reference import LoRASegments
 
 logger = logging.getLogger(__name__)
@@ -149,6 +149,10 @@ class ModelRunner:
         self.checkpoint_scheme = checkpoint_scheme(self.model_dir)
         if self.checkpoint_scheme is not None:
             stored = self.checkpoint_scheme
+            if self.quantization.int8_activations:
+                raise ValueError(
+                    f"--quantization w8a8 quantizes a float checkpoint; {self.model_dir.name} "
+                    f"is {stored.describe()} (its config.json): leave --quantization unset")
             if self.quantization.enabled and self.quantization.bits != stored.bits:
                 raise ValueError(
                     f"--quantization {self.quantization.scheme} cannot serve "
@@ -339,13 +343,18 @@ class ModelRunner:
         oneDNN linears, the fused kernels, paged decode attention); {} on CUDA."""
         if self.device.type != "cpu":
             return {}
-        return {
+        paths = {
             "packed linear layers": self.config.pack_cpu_weights
             and packing_available(self.device, self.dtype),
             "fused norm, activation, K/V write and LoRA kernels": cpu_ops.available(
                 self.device, self.dtype),
             "paged decode attention kernel": cpu_decode.available(self.device, self.dtype),
         }
+        if self.quantization.int8_activations:
+            # Without AVX-512 VNNI the w8a8 layers run the kernel's generic loops: the same
+            # results, several times slower than --quantization int8.
+            paths["w8a8 integer products on AVX-512 VNNI"] = cpu_qdot.variant() == "vnni"
+        return paths
 
     def _log_fast_paths(self) -> None:
         slow = [name for name, fast in self.fast_paths().items() if not fast]

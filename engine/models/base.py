@@ -245,7 +245,7 @@ class CausalLM(nn.Module):
             parts.sort(key=lambda part: part[0])
             try:
                 stacked = QuantizedRows.cat([p for _, p in parts])
-                qw = stacked.pack()
+                qw = stacked.pack(quantize is not None and quantize.int8_activations)
             except ValueError as exc:
                 raise ModelLoadError(f"layer {label}: {exc}") from None
             setattr(parent, attr, QuantLinear(qw, module.bias, stacked.input_order))

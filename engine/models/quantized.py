@@ -1,4 +1,4 @@
-"""Weight-only quantized base models: `--quantization none|int8|int4|fp8`.
+"""Quantized base models: `--quantization none|int8|int4|fp8|w8a8`.
 
 The decoder layers' linear layers (q/k/v, o, gate/up, down) hold their weights as int8 or
 int4 integers with float32 scales (loraplex_kernels/cpu_quant.py); their activations, the
@@ -14,6 +14,10 @@ precision the bundled SmolLM2's embeddings ship in, so that model loses nothing 
   DEFAULT_INT4_GROUP_SIZE by default.
 - fp8: refused with one line on the CPU (no fp8 units) and on GPUs before compute
   capability 8.9; not served on CUDA in this version either.
+- w8a8: the weights as int8's, and each linear layer's input quantized to int8 as the step
+  runs (in groups of 64 inputs), the products summed in integers
+  (loraplex_kernels/cpu_qdot.py) at every step size: on AVX-512 VNNI twice the
+  multiply-adds an instruction of bf16's. The LoRA deltas read the unquantized input.
 
 Steps of up to DENSE_ROWS rows (decode, small prefills) run the C kernel on the integers;
 larger ones dequantize a layer at a time and run a dense matmul on it, which is faster
@@ -35,7 +39,7 @@ import torch
 from torch import nn
 
 from engine.config import QuantizationSpec
-from loraplex_kernels import cpu_quant
+from loraplex_kernels import cpu_qdot, cpu_quant
 
 # The embeddings and the output projection under any scheme: int8 in groups of 32 inputs
 # (GGUF's Q8_0 grid, which the bundled SmolLM2's embeddings ship in), per row where the
@@ -98,7 +102,17 @@ class QuantizedRows:
                              torch.cat([p.scales for p in parts]), offsets,
                              first.bits, first.group, first.input_order)
 
-    def pack(self) -> cpu_quant.QuantizedWeight:
+    def pack(self, int8_activations: bool = False
+             ) -> cpu_quant.QuantizedWeight | cpu_qdot.QDotWeight:
+        """The kernel's layout: cpu_quant's, or with `int8_activations` cpu_qdot's (which
+        takes symmetric int8 per output channel only)."""
+        if int8_activations:
+            k = self.shape[1]
+            if self.bits != 8 or self.group != k or self.offsets is not None \
+                    or self.input_order is not None:
+                raise ValueError(f"w8a8 needs int8 per output channel, not int{self.bits} "
+                                 f"in groups of {self.group}")
+            return cpu_qdot.pack(self.q, self.scales)
         return cpu_quant.pack(self.q, self.scales, self.offsets, self.bits, self.group)
 
 
@@ -109,10 +123,12 @@ def quantize_rows(weight: torch.Tensor, spec: QuantizationSpec) -> QuantizedRows
 
 
 class QuantLinear(nn.Module):
-    """y = x W^T + b with W held as a cpu_quant.QuantizedWeight. x [T, IN] -> [T, OUT] in
-    x's dtype."""
+    """y = x W^T + b with W held as a cpu_quant.QuantizedWeight (weight-only), or as a
+    cpu_qdot.QDotWeight (w8a8: x quantized to int8 too). x [T, IN] -> [T, OUT] in x's
+    dtype."""
 
-    def __init__(self, weight: cpu_quant.QuantizedWeight, bias: torch.Tensor | None,
+    def __init__(self, weight: cpu_quant.QuantizedWeight | cpu_qdot.QDotWeight,
+                 bias: torch.Tensor | None,
                  input_order: torch.Tensor | None = None) -> None:
         super().__init__()
         self.quantized = weight
@@ -122,6 +138,12 @@ class QuantLinear(nn.Module):
         self.input_order = None if input_order is None else input_order.long().contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.quantized, cpu_qdot.QDotWeight):
+            # Integer products at every step size: at 2,048 rows still 1.6x the bf16
+            # kernel's speed on a Zen 4 (docs/BENCHMARKS.md, "w8a8").
+            flat = x.reshape(-1, self.in_features)
+            y = cpu_qdot.linear(flat, self.quantized, self.bias_f32)
+            return y.reshape(*x.shape[:-1], self.out_features)
         if self.input_order is not None:
             x = x.index_select(-1, self.input_order)
         if x.dim() == 2 and x.shape[0] <= DENSE_ROWS:
@@ -140,8 +162,9 @@ class QuantLinear(nn.Module):
 
     def extra_repr(self) -> str:
         q = self.quantized
-        return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"int{q.bits}, group {q.group_size}")
+        kind = (f"w8a8, activations in groups of {q.act_group}"
+                if isinstance(q, cpu_qdot.QDotWeight) else f"int{q.bits}, group {q.group_size}")
+        return f"in_features={self.in_features}, out_features={self.out_features}, {kind}"
 
 
 @functools.cache
@@ -161,7 +184,8 @@ def quantize_linears(module: nn.Module, spec: QuantizationSpec) -> int:
         if isinstance(child, nn.Linear):
             out_features, in_features = child.weight.shape
             try:
-                qw = cpu_quant.quantize(child.weight, spec.bits, spec.group)
+                qw = (cpu_qdot.quantize(child.weight) if spec.int8_activations else
+                      cpu_quant.quantize(child.weight, spec.bits, spec.group))
             except ValueError as exc:
                 raise ValueError(f"--quantization {spec.scheme}: layer {name} "
                                  f"[{out_features}, {in_features}]: {exc}") from None
@@ -252,7 +276,8 @@ def round_trip_hf_linears(hf_model: Any, spec: QuantizationSpec) -> int:
     output projection by the values their quantization under `spec` stands for
     (dequantize(quantize(w))), in place; returns how many decoder linears. Quantization is
     per output row, so these are exactly the rows the engine's fused, rope-permuted layers
-    hold: the oracle of the quantized engine and of its quality."""
+    hold: the oracle of the quantized engine and of its quality. w8a8: the layers also
+    get hook_int8_activations' hooks (which a saved checkpoint does not keep)."""
     count = 0
 
     def round_trip(weight: torch.Tensor, bits: int, group: int | None) -> None:
@@ -263,7 +288,25 @@ def round_trip_hf_linears(hf_model: Any, spec: QuantizationSpec) -> int:
         if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in HF_LINEARS:
             round_trip(module.weight, spec.bits, spec.group)
             count += 1
+    if spec.int8_activations:
+        hook_int8_activations(hf_model)
     round_trip_hf_embeddings(hf_model)
+    return count
+
+
+def hook_int8_activations(hf_model: Any) -> int:
+    """Give each decoder linear of a Hugging Face model a forward pre-hook that feeds it
+    the values its input quantized as w8a8 quantizes it stands for
+    (cpu_qdot.fake_quantize); returns how many. A PEFT adapter wrapping a layer later
+    reads the input before the hook, as the engine's adapters do."""
+    count = 0
+    for name, module in hf_model.named_modules():
+        if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in HF_LINEARS:
+            group = cpu_qdot.act_group(module.in_features)
+            module.register_forward_pre_hook(
+                lambda _module, args, group=group: (
+                    cpu_qdot.fake_quantize(args[0], group), *args[1:]))
+            count += 1
     return count
 
 

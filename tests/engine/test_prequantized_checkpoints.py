@@ -208,6 +208,9 @@ def test_quantization_that_disagrees_with_the_checkpoint_is_refused(
     with pytest.raises(ValueError, match=r"--quantization int8 cannot serve c: its weights "
                                          r"are AWQ, int4 \(groups of 64\)"):
         _core(checkpoint, quantization="int8")
+    with pytest.raises(ValueError, match=r"--quantization w8a8 quantizes a float checkpoint; c "
+                                         r"is AWQ, int4 \(groups of 64\)"):
+        _core(checkpoint, quantization="w8a8")
     # The matching scheme is accepted: the checkpoint's groups are kept.
     core = _core(checkpoint, quantization="int4")
     assert core.runner.quantization.group == 64

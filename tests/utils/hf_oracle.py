@@ -13,8 +13,21 @@ def hf_model(model_dir: str, dtype: torch.dtype = torch.float32) -> torch.nn.Mod
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    _hook_activations(model, model_dir)
     model.eval()
     return model
+
+
+# A checkpoint directory holding this file stands for a w8a8 engine: its model's decoder
+# linears are fed their inputs quantized as w8a8 quantizes them (tests/utils/quantized.py).
+INT8_ACTIVATIONS_MARKER = "int8-activations"
+
+
+def _hook_activations(model: torch.nn.Module, model_dir: str) -> None:
+    if (Path(model_dir) / INT8_ACTIVATIONS_MARKER).exists():
+        from engine.models.quantized import hook_int8_activations
+
+        assert hook_int8_activations(model) > 0
 
 
 @torch.inference_mode()
@@ -52,6 +65,7 @@ def peft_model(model_dir: str, adapters: tuple[tuple[str, str], ...],
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    _hook_activations(base, model_dir)
     (first_name, first_dir), *rest = adapters
     model = PeftModel.from_pretrained(base, first_dir, adapter_name=first_name)
     for name, adapter_dir in rest:

@@ -1,0 +1,294 @@
+/* Linear layers on int8 weights and int8 activations (`--quantization w8a8`; see
+   cpu_qdot.py): integer dot products summed exactly in int32, scaled in float32.
+
+   Weights: symmetric int8 per output channel, q in -127..127 with a float32 scale sw[n].
+   Stored as q + 128 (unsigned), in blocks of 16 output columns, four inputs of one column
+   side by side: packed[n / 16][k / 4][16][4]. That is the operand layout of AVX-512
+   VNNI's vpdpbusd, which multiplies 64 unsigned bytes by 64 signed ones and adds each
+   column's four products to its int32 lane.
+
+   Activations: each row quantized on the fly in groups of `ag` inputs: s = max |x| / 127,
+   xq = round(x / s) (to nearest even) in -127..127, one scale per row and group. Per
+   group, the exact integer sum of (q + 128) xq, minus 128 sum(xq) (the group's `comp`,
+   which the sums start from), is sum(q xq); then, in float32,
+
+       y[t][n] = (sum over groups g of  sum_g(q xq) * s[t][g]) * sw[n]  (+ bias[n])
+
+   each group's term added by one fused multiply-add in group order, the last step one
+   fused multiply-add with the bias (a multiply without one). The generic loops compute
+   the same operations in the same order, so every build gives the same bits.
+
+   VNNI path: each thread takes units of three column blocks (the rest one block at a
+   time) and runs tiles of 4, 2 and 1 rows against a unit: 12 int32 sums for the group in
+   registers, 12 float32 totals beside them. Rows are taken 128 at a time, so that a
+   prefill's activations stay in L2 while the units' weights go by.
+*/
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu_common.h"
+
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && !defined(QDOT_GENERIC)
+#define HAVE_VNNI 1
+#include "cpu_avx512.h"
+#include <immintrin.h>
+#endif
+
+#define CB 16
+#define ROW_CHUNK 128
+
+/* 1: this build runs the VNNI tiles; 0: the generic loops. */
+int qdot_variant(void) {
+#ifdef HAVE_VNNI
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* One row of x (float32 or bf16) quantized in groups of ag: xq[K], comp[G], sx[G]. A group
+   of zeros gets the scale 0; a group holding a NaN or an infinity gets a NaN or infinite
+   scale and zeros, so its row's outputs come out NaN, as the float product's would. */
+static void quantize_row(const void *x, int bf16, int64_t K, int64_t ag, int8_t *xq,
+                         int32_t *comp, float *sx) {
+    float v[ag];
+    for (int64_t g = 0; g * ag < K; g++) {
+        const int64_t k0 = g * ag;
+        if (bf16) {
+            const bf16_t *xb = (const bf16_t *)x + k0;
+            for (int64_t k = 0; k < ag; k++) v[k] = ld_bf16(xb[k]);
+        } else {
+            memcpy(v, (const float *)x + k0, (size_t)ag * sizeof(float));
+        }
+        float amax = 0.0f;
+        int bad = 0;
+        for (int64_t k = 0; k < ag; k++) {
+            const float a = fabsf(v[k]);
+            amax = a > amax ? a : amax;
+            bad |= !(a <= 3.4028235e38f); /* NaN or infinity */
+        }
+        const float s = bad ? NAN : amax / 127.0f;
+        int32_t sum = 0;
+        if (s > 0.0f && !bad) {
+            for (int64_t k = 0; k < ag; k++) {
+                float r = nearbyintf(v[k] / s);
+                r = r > 127.0f ? 127.0f : (r < -127.0f ? -127.0f : r);
+                xq[k0 + k] = (int8_t)r;
+                sum += (int32_t)r;
+            }
+        } else {
+            memset(xq + k0, 0, (size_t)ag);
+        }
+        comp[g] = -128 * sum;
+        sx[g] = s;
+    }
+}
+
+static inline float finish(float total, float scale, const float *bias, int64_t n) {
+    return bias != NULL ? fmaf(total, scale, bias[n]) : total * scale;
+}
+
+static inline void store_out(void *y, int bf16, int64_t i, float v) {
+    if (bf16)
+        ((bf16_t *)y)[i] = st_bf16(v);
+    else
+        ((float *)y)[i] = v;
+}
+
+#ifdef HAVE_VNNI
+
+static inline __attribute__((always_inline)) int32_t ld_i32(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline __attribute__((always_inline)) void store16_out(void *y, int bf16, int64_t i,
+                                                              __m512 v) {
+    if (bf16)
+        _mm256_storeu_si256((__m256i *)((bf16_t *)y + i), store16_bf16(v));
+    else
+        _mm512_storeu_ps((float *)y + i, v);
+}
+
+#define ROWS_1(M) M(0)
+#define ROWS_2(M) M(0) M(1)
+#define ROWS_4(M) M(0) M(1) M(2) M(3)
+#define BLOCKS_1(M) M(0)
+#define BLOCKS_3(M) M(0) M(1) M(2)
+#define EACH_1(M, r) M(r, 0)
+#define EACH_3(M, r) M(r, 0) M(r, 1) M(r, 2)
+/* Rows and blocks spelled out, so that each sum is a named register. */
+
+#define D_SUM(r, c) __m512i i##r##c; __m512 f##r##c = _mm512_setzero_ps();
+#define I_START(r, c) i##r##c = start##r;
+#define I_DOT(r, c) i##r##c = _mm512_dpbusd_epi32(i##r##c, w##c, b##r);
+#define F_ADD(r, c) f##r##c = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i##r##c), s##r, f##r##c);
+#define F_OUT(r, c)                                                                         \
+    store16_out(y, y_bf16, (r) * y_stride + (c) * CB,                                       \
+                bias != NULL ? _mm512_fmadd_ps(f##r##c, sw##c, bv##c)                       \
+                             : _mm512_mul_ps(f##r##c, sw##c));
+
+#define R_DECL(r) EACH(D_SUM, r)
+#define R_START(r)                                                                          \
+    const __m512i start##r = _mm512_set1_epi32(comp[(r) * G + g]);                          \
+    EACH(I_START, r)
+#define R_DOT(r)                                                                            \
+    const __m512i b##r = _mm512_set1_epi32(ld_i32(xq + (r) * K + k));                       \
+    EACH(I_DOT, r)
+#define R_ADD(r)                                                                            \
+    const __m512 s##r = _mm512_set1_ps(sx[(r) * G + g]);                                    \
+    EACH(F_ADD, r)
+#define R_OUT(r) EACH(F_OUT, r)
+#define B_LOAD(c) const __m512i w##c = _mm512_loadu_si512(wb + (c) * wstride + k * CB);
+#define B_SCALE(c)                                                                          \
+    const __m512 sw##c = _mm512_loadu_ps(sw + (c) * CB);                                    \
+    const __m512 bv##c = bias != NULL ? _mm512_loadu_ps(bias + (c) * CB) : _mm512_setzero_ps();
+
+/* R rows (xq, comp, sx at the tile's first row) against C blocks of 16 columns (wb at the
+   first block's packed bytes, wstride bytes apart; sw and bias at its first column), into
+   y at the tile's first row and column. */
+#define DEFINE_TILE(R, C)                                                                   \
+    static inline __attribute__((always_inline)) void tile_##R##x##C(                       \
+        const int8_t *restrict xq, const int32_t *restrict comp, const float *restrict sx,  \
+        int64_t K, int64_t ag, const uint8_t *restrict wb, int64_t wstride,                 \
+        const float *restrict sw, const float *restrict bias, void *y, int64_t y_stride,    \
+        int y_bf16) {                                                                       \
+        const int64_t G = K / ag;                                                           \
+        ROWS_##R(R_DECL)                                                                    \
+        for (int64_t g = 0; g < G; g++) {                                                   \
+            ROWS_##R(R_START)                                                               \
+            for (int64_t k = g * ag; k < (g + 1) * ag; k += 4) {                            \
+                BLOCKS(B_LOAD)                                                              \
+                ROWS_##R(R_DOT)                                                             \
+            }                                                                               \
+            ROWS_##R(R_ADD)                                                                 \
+        }                                                                                   \
+        BLOCKS(B_SCALE)                                                                     \
+        ROWS_##R(R_OUT)                                                                     \
+    }
+
+#define EACH EACH_3
+#define BLOCKS BLOCKS_3
+DEFINE_TILE(4, 3)
+DEFINE_TILE(2, 3)
+DEFINE_TILE(1, 3)
+#undef EACH
+#undef BLOCKS
+#define EACH EACH_1
+#define BLOCKS BLOCKS_1
+DEFINE_TILE(4, 1)
+DEFINE_TILE(2, 1)
+DEFINE_TILE(1, 1)
+#undef EACH
+#undef BLOCKS
+
+/* Rows [r0, r1) against `nblocks` (3 or 1) blocks from block b. */
+static void run_unit(const int8_t *xq, const int32_t *comp, const float *sx, int64_t K,
+                     int64_t ag, const uint8_t *w, const float *sw, const float *bias,
+                     int64_t b, int nblocks, void *y, int64_t y_stride, int y_bf16,
+                     int64_t r0, int64_t r1) {
+    const int64_t G = K / ag, wstride = K * CB;
+    const uint8_t *wb = w + b * wstride;
+    const float *swb = sw + b * CB, *bb = bias != NULL ? bias + b * CB : NULL;
+    const size_t out_size = y_bf16 ? sizeof(bf16_t) : sizeof(float);
+    int64_t r = r0;
+#define AT(r) xq + (r) * K, comp + (r) * G, sx + (r) * G, K, ag, wb, wstride, swb, bb,       \
+              (char *)y + ((r) * y_stride + b * CB) * (int64_t)out_size, y_stride, y_bf16
+    if (nblocks == 3) {
+        for (; r + 4 <= r1; r += 4) tile_4x3(AT(r));
+        if (r + 2 <= r1) tile_2x3(AT(r)), r += 2;
+        if (r < r1) tile_1x3(AT(r));
+    } else {
+        for (; r + 4 <= r1; r += 4) tile_4x1(AT(r));
+        if (r + 2 <= r1) tile_2x1(AT(r)), r += 2;
+        if (r < r1) tile_1x1(AT(r));
+    }
+#undef AT
+}
+
+static void gemm(const int8_t *xq, const int32_t *comp, const float *sx, int64_t T,
+                 int64_t K, int64_t ag, const uint8_t *w, const float *sw, const float *bias,
+                 int64_t N, void *y, int64_t y_stride, int y_bf16, int64_t num_threads) {
+    const int64_t nb = N / CB, triples = nb / 3, units = triples + nb % 3;
+#pragma omp parallel num_threads(num_threads)
+    {
+        const int64_t nt = omp_get_num_threads(), id = omp_get_thread_num();
+        const int64_t u0 = units * id / nt, u1 = units * (id + 1) / nt;
+        for (int64_t r0 = 0; r0 < T; r0 += ROW_CHUNK) {
+            const int64_t r1 = r0 + ROW_CHUNK < T ? r0 + ROW_CHUNK : T;
+            for (int64_t u = u0; u < u1; u++) {
+                if (u < triples)
+                    run_unit(xq, comp, sx, K, ag, w, sw, bias, 3 * u, 3, y, y_stride, y_bf16,
+                             r0, r1);
+                else
+                    run_unit(xq, comp, sx, K, ag, w, sw, bias, 3 * triples + (u - triples), 1,
+                             y, y_stride, y_bf16, r0, r1);
+            }
+        }
+    }
+}
+
+#else /* the generic loops */
+
+static void gemm(const int8_t *xq, const int32_t *comp, const float *sx, int64_t T,
+                 int64_t K, int64_t ag, const uint8_t *w, const float *sw, const float *bias,
+                 int64_t N, void *y, int64_t y_stride, int y_bf16, int64_t num_threads) {
+    const int64_t G = K / ag;
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const uint8_t *wb = w + (n / CB) * K * CB + (n % CB) * 4;
+        for (int64_t t = 0; t < T; t++) {
+            const int8_t *xr = xq + t * K;
+            float total = 0.0f;
+            for (int64_t g = 0; g < G; g++) {
+                int32_t acc = comp[t * G + g];
+                for (int64_t k = g * ag; k < (g + 1) * ag; k += 4) {
+                    const uint8_t *q = wb + k * CB;
+                    acc += (int32_t)q[0] * xr[k] + (int32_t)q[1] * xr[k + 1] +
+                           (int32_t)q[2] * xr[k + 2] + (int32_t)q[3] * xr[k + 3];
+                }
+                total = fmaf((float)acc, sx[t * G + g], total);
+            }
+            store_out(y, y_bf16, t * y_stride + n, finish(total, sw[n], bias, n));
+        }
+    }
+}
+
+#endif /* HAVE_VNNI */
+
+/* The activations' buffer of the calling thread (xq, comp, sx), grown as needed and kept:
+   a prefill's is a few MiB, and a fresh one per call would fault its pages in each time. */
+static __thread void *scratch;
+static __thread size_t scratch_size;
+
+/* y [T][N] (row stride y_stride, float32 or bf16) = x [T][K] (row stride x_stride) times
+   the packed weights, as described at the top. K a multiple of ag, ag of 4, N of 16.
+   Returns 0, or 1 when the activations' buffer could not be allocated. */
+int qdot_linear(const void *x, int64_t x_stride, int x_bf16, int64_t T, int64_t K,
+                int64_t ag, const uint8_t *w, const float *sw, const float *bias, int64_t N,
+                void *y, int64_t y_stride, int y_bf16, int64_t num_threads) {
+    const int64_t G = K / ag;
+    const size_t xq_bytes = ((size_t)(T * K) + 63) & ~(size_t)63;
+    const size_t need = xq_bytes + (size_t)(T * G) * (sizeof(int32_t) + sizeof(float));
+    if (need > scratch_size) {
+        void *grown = NULL;
+        if (posix_memalign(&grown, 64, need) != 0) return 1;
+        free(scratch);
+        scratch = grown;
+        scratch_size = need;
+    }
+    int8_t *xq = (int8_t *)scratch;
+    int32_t *comp = (int32_t *)((char *)scratch + xq_bytes);
+    float *sx = (float *)(comp + T * G);
+    const size_t in_size = x_bf16 ? sizeof(bf16_t) : sizeof(float);
+#pragma omp parallel for num_threads(T * K >= 65536 ? num_threads : 1) schedule(static)
+    for (int64_t t = 0; t < T; t++)
+        quantize_row((const char *)x + t * x_stride * (int64_t)in_size, x_bf16, K, ag,
+                     xq + t * K, comp + t * G, sx + t * G);
+    gemm(xq, comp, sx, T, K, ag, w, sw, bias, N, y, y_stride, y_bf16, num_threads);
+    return 0;
+}

@@ -1,0 +1,214 @@
+"""Linear layers on int8 weights and int8 activations on the CPU (`--quantization w8a8`).
+
+Weights are symmetric int8 per output channel (as `--quantization int8` holds them).
+Activations are quantized as each step runs: every row in groups of ACT_GROUP inputs, one
+scale per group (max |x| / 127), rounded to nearest even. The products are summed exactly
+in int32 per group and scaled in float32 (cpu_qdot.c has the arithmetic, step by step).
+
+Why: at a decode step of a few dozen rows the linear layers are bound by arithmetic, not by
+reading weights, so int8 weights multiplied as bf16 (`--quantization int8`) cannot be
+faster than the bf16 model; AVX-512 VNNI's `vpdpbusd` does 64 int8 multiply-adds an
+instruction where `vdpbf16ps` does 32. Groups of 64 rather than one scale per row: per-row
+activation scales raised the bundled SmolLM2's perplexity by 2.3%, groups of 64 by 0.4%
+(docs/BENCHMARKS.md, "w8a8").
+
+`reference_linear` is the same computation in torch ops (float64 sums): the fallback
+without a compiler and what the kernel is tested against; `fake_quantize` is what the
+activations stand for, for a Hugging Face oracle.
+
+NOTE: C in cpu_qdot.c, built by cpu_build.py for the CPU it runs on and called through
+ctypes with the GIL released. Without AVX-512 VNNI the build runs generic loops with the
+same results (bit for bit), much slower; `variant()` says which.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+
+from loraplex_kernels.cpu_build import SOURCE_DIR, LazyLibrary
+
+BLOCK = 16  # output columns per block of the layout
+ACT_GROUP = 64  # activations' inputs per scale, where the layer's inputs divide by it
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    lib.qdot_variant.argtypes, lib.qdot_variant.restype = [], i32
+    lib.qdot_linear.argtypes = [ptr, i64, i32, i64, i64, i64, ptr, ptr, ptr, i64, ptr, i64,
+                                i32, i64]
+    lib.qdot_linear.restype = i32
+
+
+_library = LazyLibrary("cpu_qdot", SOURCE_DIR / "cpu_qdot.c", _declare).get
+# The generic loops on any CPU (tests compare the two builds).
+_generic = LazyLibrary("cpu_qdot_generic", SOURCE_DIR / "cpu_qdot.c", _declare,
+                       defines={"QDOT_GENERIC": 1}).get
+
+
+def available() -> bool:
+    return _library() is not None
+
+
+def variant() -> str:
+    """'vnni' (AVX-512 VNNI tiles), 'generic' (the plain loops) or 'torch' (no kernel)."""
+    lib = _library()
+    if lib is None:
+        return "torch"
+    return "vnni" if lib.qdot_variant() else "generic"
+
+
+def act_group(in_features: int) -> int:
+    """The activations' group size for a layer of `in_features` inputs: ACT_GROUP, or the
+    largest of 32, 16, 8, 4 that divides it. ValueError where none does."""
+    for group in (ACT_GROUP, 32, 16, 8, 4):
+        if in_features % group == 0:
+            return group
+    raise ValueError(f"{in_features} input features (w8a8 needs a multiple of 4)")
+
+
+@dataclass(frozen=True, slots=True)
+class QDotWeight:
+    """A [out_features, in_features] int8 weight in the kernel's layout.
+
+    packed: uint8 [N / 16 * K / 4 * 64] (q + 128, blocks of 16 columns by 4 inputs);
+    scales: float32 [N], one per output channel."""
+
+    packed: torch.Tensor
+    scales: torch.Tensor
+    out_features: int
+    in_features: int
+    act_group: int
+
+    bits = 8
+
+    @property
+    def group_size(self) -> int:
+        return self.in_features  # the weights' scales: one per output channel
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel() + self.scales.numel() * 4
+
+
+def pack(q: torch.Tensor, scales: torch.Tensor) -> QDotWeight:
+    """Integers q [N, K] (int8 in -127..127) with float scales [N] (or [N, 1]) -> the
+    kernel's layout. ValueError for shapes or values it cannot hold."""
+    n, k = q.shape
+    scales = scales.reshape(-1).float().contiguous()
+    problems = []
+    if n % BLOCK:
+        problems.append(f"{n} output features (a multiple of {BLOCK} is needed)")
+    if k % 4:
+        problems.append(f"{k} input features (a multiple of 4 is needed)")
+    if scales.numel() != n:
+        problems.append(f"{scales.numel()} scales for {n} output features")
+    if problems:
+        raise ValueError("w8a8 weight refused: " + "; ".join(problems))
+    qi = q.to(torch.int16)
+    if bool(((qi < -127) | (qi > 127)).any()):
+        raise ValueError("w8a8 weight refused: integers outside -127..127")
+    unsigned = (qi + 128).to(torch.uint8)
+    packed = unsigned.reshape(n // BLOCK, BLOCK, k // 4, 4).permute(0, 2, 1, 3).contiguous()
+    return QDotWeight(packed.reshape(-1), scales, n, k, act_group(k))
+
+
+def quantize(weight: torch.Tensor) -> QDotWeight:
+    """Round-to-nearest symmetric int8 per output channel (as `--quantization int8`)."""
+    w = weight.detach().float()
+    scale = w.abs().amax(1) / 127.0
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return pack(q, scale)
+
+
+def integers(qw: QDotWeight) -> torch.Tensor:
+    """The weight's integers [N, K] (int16), from the layout."""
+    n, k = qw.out_features, qw.in_features
+    blocks = qw.packed.view(n // BLOCK, k // 4, BLOCK, 4).permute(0, 2, 1, 3)
+    return blocks.reshape(n, k).to(torch.int16) - 128
+
+
+def dequantize(qw: QDotWeight) -> torch.Tensor:
+    """The float32 weight [N, K] the integers stand for."""
+    return integers(qw).float() * qw.scales[:, None]
+
+
+def quantize_activations(x: torch.Tensor, group: int
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., K] -> (integers [..., K] float32 in -127..127, scales [..., K / group]), as
+    the kernel quantizes them: s = max |x| / 127 per group (float32), round(x / s) to
+    nearest even; a group of zeros has s = 0 and zeros, a group with a NaN or an infinity
+    a NaN scale."""
+    xf = x.float()
+    shape = xf.shape
+    xg = xf.reshape(*shape[:-1], shape[-1] // group, group)
+    amax = xg.abs().amax(-1)
+    bad = ~torch.isfinite(xg).all(-1)
+    scale = torch.where(bad, torch.full_like(amax, float("nan")), amax / 127.0)
+    usable = (scale > 0) & ~bad
+    safe = torch.where(usable, scale, torch.ones_like(scale))
+    q = torch.round(xg / safe[..., None]).clamp_(-127, 127)
+    q = torch.where(usable[..., None], q, torch.zeros_like(q))
+    return q.reshape(shape), scale
+
+
+def fake_quantize(x: torch.Tensor, group: int) -> torch.Tensor:
+    """The values x's int8 activations stand for (integers x scales), in x's dtype: what a
+    float model's linear layers are fed to stand for this kernel's inputs."""
+    q, scale = quantize_activations(x, group)
+    shape = q.shape
+    qg = q.reshape(*shape[:-1], shape[-1] // group, group)
+    return (qg * scale[..., None]).reshape(shape).to(x.dtype)
+
+
+def reference_linear(x: torch.Tensor, qw: QDotWeight, bias: torch.Tensor | None = None
+                     ) -> torch.Tensor:
+    """`linear` in torch ops, the sums in float64: the fallback without a compiler and the
+    definition the kernel is tested against."""
+    group = qw.act_group
+    q, scale = quantize_activations(x, group)
+    t, k = q.shape
+    ints = integers(qw).double()  # [N, K]
+    per_group = torch.einsum("tgk,ngk->tgn", q.double().reshape(t, k // group, group),
+                             ints.reshape(-1, k // group, group))
+    total = (per_group * scale.double()[..., None]).sum(1) * qw.scales.double()
+    if bias is not None:
+        total = total + bias.double()
+    return total.to(x.dtype)
+
+
+def linear(x: torch.Tensor, qw: QDotWeight, bias: torch.Tensor | None = None,
+           out: torch.Tensor | None = None, *, generic: bool = False) -> torch.Tensor:
+    """x [T, K] float32 or bf16 . W^T (+ bias float32 [N]) -> [T, N] in x's dtype (into
+    `out` [T, N] when given: rows of any stride, unit stride within a row). `generic`: the
+    generic loops' build whatever the CPU has (tests)."""
+    t, k = x.shape
+    n = qw.out_features
+    assert k == qw.in_features, (x.shape, qw.in_features)
+    assert x.dtype in (torch.float32, torch.bfloat16), x.dtype
+    lib = _generic() if generic else _library()
+    if lib is None:
+        y = reference_linear(x, qw, bias)
+        if out is None:
+            return y
+        out.copy_(y)
+        return out
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    y = torch.empty(t, n, dtype=x.dtype) if out is None else out
+    assert y.shape == (t, n) and y.stride(1) == 1 and y.dtype == x.dtype, (y.shape, y.dtype)
+    if t == 0:
+        return y
+    if bias is not None:
+        assert bias.dtype == torch.float32 and bias.is_contiguous() and bias.shape == (n,)
+    bf16 = int(x.dtype == torch.bfloat16)
+    failed = lib.qdot_linear(
+        x.data_ptr(), x.stride(0), bf16, t, k, qw.act_group, qw.packed.data_ptr(),
+        qw.scales.data_ptr(), None if bias is None else bias.data_ptr(), n, y.data_ptr(),
+        y.stride(0), bf16, torch.get_num_threads())
+    if failed:
+        raise MemoryError(f"the w8a8 kernel could not run x {tuple(x.shape)}")
+    return y

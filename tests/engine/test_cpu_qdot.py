@@ -1,0 +1,148 @@
+"""The w8a8 linear kernel (loraplex_kernels/cpu_qdot.py): int8 weights per output channel,
+activations quantized to int8 per row and group as it runs.
+
+Against `reference_linear` (the same arithmetic in torch, float64 sums), and the build this
+CPU runs (the VNNI tiles where it has AVX-512 VNNI) against the generic loops' build, bit
+for bit: both sum the same integers exactly and take the same float32 steps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loraplex_kernels import cpu_qdot
+
+pytestmark = pytest.mark.skipif(not cpu_qdot.available(), reason="no C compiler here")
+
+
+def _weight(n: int, k: int, seed: int) -> torch.Tensor:
+    return torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05
+
+
+def _rows(t: int, k: int, seed: int, dtype: torch.dtype) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    # Rows of different magnitudes, and an outlier input, as a model's activations have.
+    x = torch.randn(t, k, generator=g) * torch.logspace(-2, 1, t)[:, None]
+    x[:, k // 3] *= 20
+    return x.to(dtype)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype == torch.bfloat16:
+        a, b = a.view(torch.int16), b.view(torch.int16)
+    return torch.equal(a, b)
+
+
+# (N, K): blocks of 16 columns in threes and left over (48: 3, 64: 3 + 1, 80: 3 + 2);
+# inputs in groups of 64, 32, 16 and 4.
+SHAPES = [(48, 128), (64, 96), (80, 576), (960, 576), (16, 48), (32, 36)]
+
+
+@pytest.mark.parametrize(("n", "k"), SHAPES)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 13, 32, 130])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_equals_the_reference_and_the_generic_build(
+    n: int, k: int, rows: int, dtype: torch.dtype
+) -> None:
+    qw = cpu_qdot.quantize(_weight(n, k, n + k))
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(3))
+    x = _rows(rows, k, rows, dtype)
+    for b in (None, bias):
+        y = cpu_qdot.linear(x, qw, b)
+        assert y.dtype == dtype and y.shape == (rows, n)
+        assert _same(y, cpu_qdot.linear(x, qw, b, generic=True))
+        ref = cpu_qdot.reference_linear(x, qw, b).float() if dtype == torch.float32 else \
+            cpu_qdot.reference_linear(x.float(), qw, b)
+        # The integer sums are exact; the float32 steps (a group's sum times its scale, added
+        # in order; times the channel's scale) round a few times: a few float32 ulps of the
+        # row's magnitude. bf16: the output rounded once more (2^-9 relative).
+        scale = ref.abs().amax(1, keepdim=True).clamp(min=1e-30)
+        tol = 1e-6 if dtype == torch.float32 else 2**-8
+        assert float(((y.float() - ref) / scale).abs().max()) <= tol
+
+
+def test_rows_past_the_row_chunk_and_strided_output() -> None:
+    """More rows than a chunk (128), into an output of wider rows (a fused layer's slice)."""
+    qw = cpu_qdot.quantize(_weight(96, 64, 9))
+    x = _rows(300, 64, 4, torch.float32)
+    wide = torch.full((300, 160), 7.0)
+    out = wide[:, 32:128]
+    cpu_qdot.linear(x, qw, None, out)
+    torch.testing.assert_close(out, cpu_qdot.reference_linear(x, qw), rtol=0, atol=1e-5)
+    assert bool((wide[:, :32] == 7).all()) and bool((wide[:, 128:] == 7).all())
+
+
+def test_activations_quantize_to_nearest_even_in_groups() -> None:
+    """The activations' integers and scales: s = max |x| / 127 per group of 64, round half
+    to even (the kernel's result follows them: a row of exact halves is the case where
+    rounding half away from zero, or truncation, gives other integers)."""
+    group = 64
+    x = torch.zeros(2, 128)
+    x[0, :group] = torch.arange(group) - 31.5  # halves: -31.5 .. 31.5 with max 31.5
+    x[0, 0] = 127.0  # scale 1: each value is its own x / s
+    x[1, group:] = 3.0
+    q, s = cpu_qdot.quantize_activations(x, group)
+    assert float(s[0, 0]) == 1.0 and float(s[1, 0]) == 0.0
+    assert float(s[1, 1]) == float(torch.tensor(3.0) / 127)
+    expected = torch.round(x[0, 1:group])  # torch.round: half to even
+    assert torch.equal(q[0, 1:group], expected)
+    assert float(q[0, 2]) == -30.0  # -29.5 -> -30 (even), not -29
+    assert bool((q[1, :group] == 0).all()) and bool((q[1, group:] == 127).all())
+    # Weights that read each input once, scale 1: the outputs are the integers times s.
+    qw = cpu_qdot.pack(torch.eye(128, dtype=torch.int8), torch.ones(128))
+    y = cpu_qdot.linear(x, qw)
+    assert torch.equal(y[0, 1:group], (q[0, 1:group] * s[0, 0]).to(torch.float32))
+    assert torch.equal(y[1], (q[1] * s[1].repeat_interleave(group)).float())
+
+
+def test_a_row_of_zeros_gives_the_bias_and_a_non_finite_row_stays_its_own() -> None:
+    qw = cpu_qdot.quantize(_weight(48, 128, 5))
+    bias = torch.randn(48, generator=torch.Generator().manual_seed(6))
+    x = _rows(6, 128, 2, torch.float32)
+    clean = cpu_qdot.linear(x, qw, bias)
+    x[1] = 0.0
+    x[3, 7] = float("nan")
+    x[4, 100] = float("inf")
+    y = cpu_qdot.linear(x, qw, bias)
+    assert torch.equal(y[1], bias)
+    assert bool(y[3].isnan().all()) and bool(y[4].isnan().all())
+    for r in (0, 2, 5):
+        assert torch.equal(y[r], clean[r])
+
+
+def test_pack_holds_the_integers_and_refuses_what_it_cannot() -> None:
+    g = torch.Generator().manual_seed(8)
+    q = torch.randint(-127, 128, (32, 40), generator=g, dtype=torch.int8)
+    scales = torch.rand(32, generator=g) + 0.1
+    qw = cpu_qdot.pack(q, scales)
+    assert torch.equal(cpu_qdot.integers(qw), q.to(torch.int16))
+    assert qw.nbytes == 32 * 40 + 32 * 4 and qw.act_group == 8
+    torch.testing.assert_close(cpu_qdot.dequantize(qw), q.float() * scales[:, None])
+    with pytest.raises(ValueError, match="40 output features"):
+        cpu_qdot.pack(torch.zeros(40, 8, dtype=torch.int8), torch.ones(40))
+    with pytest.raises(ValueError, match="a multiple of 4"):
+        cpu_qdot.pack(q[:, :38], scales)
+    with pytest.raises(ValueError, match=r"outside -127\.\.127"):
+        cpu_qdot.pack(torch.full((16, 8), -128, dtype=torch.int8), torch.ones(16))
+    with pytest.raises(ValueError, match="31 scales"):
+        cpu_qdot.pack(q, scales[:31])
+
+
+def test_quantize_rounds_per_channel_within_half_a_step() -> None:
+    w = _weight(64, 96, 11)
+    qw = cpu_qdot.quantize(w)
+    step = w.abs().amax(1, keepdim=True) / 127
+    assert bool(((cpu_qdot.dequantize(qw) - w).abs() <= step / 2 + 1e-7).all())
+
+
+def test_fake_quantize_is_what_the_kernel_multiplies() -> None:
+    """A float matmul over fake_quantize(x) and the dequantized weights: the kernel's
+    result up to float32 rounding (what the Hugging Face oracle of a w8a8 engine runs)."""
+    qw = cpu_qdot.quantize(_weight(80, 576, 12))
+    x = _rows(9, 576, 13, torch.float32)
+    expected = torch.nn.functional.linear(cpu_qdot.fake_quantize(x, qw.act_group),
+                                          cpu_qdot.dequantize(qw))
+    torch.testing.assert_close(cpu_qdot.linear(x, qw), expected, rtol=1e-5, atol=1e-5)
+    # ... and far from the float product of the unquantized rows at this tolerance.
+    plain = torch.nn.functional.linear(x, cpu_qdot.dequantize(qw))
+    assert not torch.allclose(cpu_qdot.linear(x, qw), plain, rtol=1e-5, atol=1e-5)
