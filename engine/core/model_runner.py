@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 from collections.abc import Mapping
@@ -280,7 +281,10 @@ class ModelRunner:
                             "(LORAPLEX_CPU_AMX=0 turns it off)",
                             tiles / 2**20)
         if self.device.type == "cpu":
-            # The unpacked weights just freed would otherwise stay in the heap for good.
+            # The unpacked weights just freed would otherwise stay in the heap for good
+            # (and a checkpoint's mapping held by a reference cycle, in the RSS until the
+            # collector's next full pass).
+            gc.collect()
             release_free_memory()
             keep_freed_activation_memory()
         self.weight_bytes = weight_bytes(model)

@@ -185,6 +185,30 @@ class CausalLM(nn.Module):
         # id(linear weight) -> (first row, rows) of its quantized parts; its float parts.
         quantized: dict[int, list[tuple[int, QuantizedRows]]] = {}
         dense: dict[int, list[str]] = {}
+        # How many checkpoint tensors each linear weight is made of (q, k and v: three), so
+        # that a layer is packed as soon as its last part is in: the unpacked integers
+        # (a byte per weight, with their scales) of one layer are held, not the model's.
+        parts_of: dict[int, int] = {}
+        for where in targets.values():
+            base = where.dest if where.dest._base is None else where.dest._base
+            if id(base) in linears:
+                parts_of[id(base)] = parts_of.get(id(base), 0) + 1
+        packed: set[int] = set()
+
+        def pack_layer(key: int) -> None:
+            parent, attr, module = linears[key]
+            label = f"{attr} [{module.out_features}, {module.in_features}]"
+            if key in dense:
+                raise ModelLoadError(f"layer {label} mixes quantized and float parts "
+                                     f"({', '.join(dense[key])} unquantized)")
+            parts = sorted(quantized.pop(key), key=lambda part: part[0])
+            try:
+                stacked = QuantizedRows.cat([p for _, p in parts])
+                qw = stacked.pack(quantize is not None and quantize.int8_activations)
+            except ValueError as exc:
+                raise ModelLoadError(f"layer {label}: {exc}") from None
+            setattr(parent, attr, QuantLinear(qw, module.bias, stacked.input_order))
+            packed.add(key)
         with torch.no_grad():
             for name, tensor in weights:
                 target = targets.get(name)
@@ -221,6 +245,8 @@ class CausalLM(nn.Module):
                                              "layers' linear weights may be")
                     row0 = (dest.storage_offset() - param.storage_offset()) // dest.stride(0)
                     quantized.setdefault(id(param), []).append((row0, tensor))
+                    if len(quantized[id(param)]) == parts_of[id(param)]:
+                        pack_layer(id(param))
                 else:
                     dest.copy_(tensor)
                     if is_linear:
@@ -236,20 +262,9 @@ class CausalLM(nn.Module):
                 f"checkpoint is missing {len(pending)} tensors, "
                 f"e.g. {', '.join(sorted(pending)[:5])}"
             )
-        for key, parts in quantized.items():
-            parent, attr, module = linears[key]
-            label = f"{attr} [{module.out_features}, {module.in_features}]"
-            if key in dense:
-                raise ModelLoadError(f"layer {label} mixes quantized and float parts "
-                                     f"({', '.join(dense[key])} unquantized)")
-            parts.sort(key=lambda part: part[0])
-            try:
-                stacked = QuantizedRows.cat([p for _, p in parts])
-                qw = stacked.pack(quantize is not None and quantize.int8_activations)
-            except ValueError as exc:
-                raise ModelLoadError(f"layer {label}: {exc}") from None
-            setattr(parent, attr, QuantLinear(qw, module.bias, stacked.input_order))
-        return len(quantized)
+        for key in list(quantized):
+            pack_layer(key)  # a layer with float parts too: refused
+        return len(packed)
 
 
 def interleave_leading_rows(tensor: torch.Tensor, rows: int, head_dim: int) -> torch.Tensor:

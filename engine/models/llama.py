@@ -204,8 +204,11 @@ class LlamaForCausalLM(CausalLM):
         super().__init__(config, max_positions=max_positions, device=device, dtype=dtype)
         # NOTE: built on the meta device and then materialized empty: random init of
         # every matrix would cost seconds and be overwritten by the checkpoint anyway.
+        # The table given (_weight) skips nn.Embedding's random init, whose meta-device
+        # path imports torch._dynamo and with it Triton: ~130 MiB of a CPU server's RSS.
         self.embed_tokens = nn.Embedding(
-            config.vocab_size, config.hidden_size, device=META, dtype=dtype
+            config.vocab_size, config.hidden_size,
+            _weight=torch.empty(config.vocab_size, config.hidden_size, device=META, dtype=dtype),
         )
         self.layers = nn.ModuleList(
             self.decoder_layer_cls(config, dtype) for _ in range(config.num_layers)

@@ -1,0 +1,84 @@
+"""What loading a model leaves in the process: no checkpoint mapping held past the load, no
+quantized layer's unpacked integers held past its last part, and no torch._dynamo (nor the
+Triton it imports) on the CPU path. Each of these was a share of a quantized server's RSS
+(docs/BENCHMARKS.md, "A quantized server's memory")."""
+
+from __future__ import annotations
+
+import gc
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.config import QuantizationSpec
+from engine.models.gguf_weights import gguf_tensors
+from engine.models.loader import bundled_gguf_path, iter_safetensors, load_model_config
+from engine.models.quantized import QuantLinear
+from engine.models.registry import model_class_for
+from loraplex_kernels import cpu_quant
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _mapped(path: Path) -> bool:
+    return str(path) in Path("/proc/self/maps").read_text()
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs Linux's /proc")
+def test_reading_the_gguf_leaves_no_mapping_once_its_tensors_are_dropped(
+    smollm2_dir: Path,
+) -> None:
+    path = bundled_gguf_path()
+    config = load_model_config(smollm2_dir)
+    gc.collect()
+    gc.disable()  # no collector pass may be what unmaps it
+    try:
+        tensors = gguf_tensors(path, config, native_int4=True)
+        name, first = next(tensors)
+        assert _mapped(path), "the reader maps the file while it reads"
+        names = [name] + [n for n, _ in tensors]
+        del tensors, first
+        assert len(names) == 272 and not _mapped(path)
+    finally:
+        gc.enable()
+
+
+@pytest.mark.skipif(not cpu_quant.available(), reason="no C compiler here")
+def test_a_quantized_layer_is_packed_as_soon_as_its_last_part_is_in(tiny_model_factory) -> None:
+    """Layer by layer: when the first layer's parts are all in, it is a QuantLinear before
+    the next layer's first tensor is read."""
+    model_dir = tiny_model_factory("llama_gqa")
+    config = load_model_config(model_dir)
+    model = model_class_for(config)(config, dtype=torch.float32)
+    seen: list[tuple[str, int]] = []
+
+    def counting():
+        for name, tensor in sorted(iter_safetensors(model_dir)):
+            seen.append((name, sum(isinstance(m, QuantLinear) for m in model.layers.modules())))
+            yield name, tensor
+
+    assert model.load_weights(counting(), quantize=QuantizationSpec("int8")) == 4 * 2
+    # By the time layer 1's tensors are read (sorted names: all of layer 0's first), the
+    # four linears of layer 0 are packed.
+    first_of_layer_1 = next(count for name, count in seen if name.startswith("model.layers.1."))
+    assert first_of_layer_1 == 4
+    assert sum(isinstance(m, QuantLinear) for m in model.layers.modules()) == 8
+
+
+def test_building_and_loading_a_model_on_the_cpu_imports_no_dynamo(smollm2_dir: Path) -> None:
+    """nn.Embedding's random init on the meta device imports torch._dynamo, which imports
+    Triton (~130 MiB resident together); the engine gives it its table instead."""
+    code = (
+        "import sys\n"
+        "from engine.config import EngineConfig\n"
+        "from engine.core.engine_core import EngineCore\n"
+        f"EngineCore(EngineConfig(model={str(smollm2_dir)!r}, dtype='float32',"
+        " quantization='int4', kv_cache_tokens=256, max_loras=1))\n"
+        "print(sorted(m for m in ('torch._dynamo', 'triton') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                         text=True, timeout=300, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout[-2000:]
