@@ -1,7 +1,9 @@
 /* Linear layers on int8 weights and int8 activations (`--quantization w8a8`; see
    cpu_qdot.py): integer dot products summed exactly in int32, scaled in float32.
 
-   Weights: symmetric int8 per output channel, q in -127..127 with a float32 scale sw[n].
+   Weights: symmetric int8, q in -127..127, with a float32 scale per output channel sw[n],
+   or ("grouped") one per output channel and group of the activations' ag inputs,
+   sw[n / 16][g][16] (GGUF's Q8_0 grid: the output projection, groups of 32).
    Stored as q + 128 (unsigned), in blocks of 16 output columns, four inputs of one column
    side by side: packed[n / 16][k / 4][16][4]. That is the operand layout of AVX-512
    VNNI's vpdpbusd, which multiplies 64 unsigned bytes by 64 signed ones and adds each
@@ -15,7 +17,11 @@
        y[t][n] = (sum over groups g of  sum_g(q xq) * s[t][g]) * sw[n]  (+ bias[n])
 
    each group's term added by one fused multiply-add in group order, the last step one
-   fused multiply-add with the bias (a multiply without one). The generic loops compute
+   fused multiply-add with the bias (a multiply without one); grouped,
+
+       y[t][n] = sum over groups g of  sum_g(q xq) * (s[t][g] * sw[n / 16][g][n % 16])
+
+   (the two scales multiplied, then one fused multiply-add) (+ bias[n]). The generic loops compute
    the same operations in the same order, so every build gives the same bits.
 
    VNNI path: each thread takes units of three column blocks (the rest one block at a
@@ -126,11 +132,14 @@ static inline __attribute__((always_inline)) void store16_out(void *y, int bf16,
 #define D_SUM(r, c) __m512i i##r##c; __m512 f##r##c = _mm512_setzero_ps();
 #define I_START(r, c) i##r##c = start##r;
 #define I_DOT(r, c) i##r##c = _mm512_dpbusd_epi32(i##r##c, w##c, b##r);
-#define F_ADD(r, c) f##r##c = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i##r##c), s##r, f##r##c);
+#define F_ADD(r, c)                                                                         \
+    f##r##c = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i##r##c),                                  \
+                              grouped ? _mm512_mul_ps(s##r, gs##c) : s##r, f##r##c);
 #define F_OUT(r, c)                                                                         \
     store16_out(y, y_bf16, (r) * y_stride + (c) * CB,                                       \
-                bias != NULL ? _mm512_fmadd_ps(f##r##c, sw##c, bv##c)                       \
-                             : _mm512_mul_ps(f##r##c, sw##c));
+                grouped ? (bias != NULL ? _mm512_add_ps(f##r##c, bv##c) : f##r##c)          \
+                        : (bias != NULL ? _mm512_fmadd_ps(f##r##c, sw##c, bv##c)            \
+                                        : _mm512_mul_ps(f##r##c, sw##c)));
 
 #define R_DECL(r) EACH(D_SUM, r)
 #define R_START(r)                                                                          \
@@ -144,19 +153,22 @@ static inline __attribute__((always_inline)) void store16_out(void *y, int bf16,
     EACH(F_ADD, r)
 #define R_OUT(r) EACH(F_OUT, r)
 #define B_LOAD(c) const __m512i w##c = _mm512_loadu_si512(wb + (c) * wstride + k * CB);
+#define B_GROUP(c)                                                                          \
+    const __m512 gs##c = grouped ? _mm512_loadu_ps(sw + ((c) * G + g) * CB) : _mm512_setzero_ps();
 #define B_SCALE(c)                                                                          \
-    const __m512 sw##c = _mm512_loadu_ps(sw + (c) * CB);                                    \
+    const __m512 sw##c = grouped ? _mm512_setzero_ps() : _mm512_loadu_ps(sw + (c) * CB);    \
     const __m512 bv##c = bias != NULL ? _mm512_loadu_ps(bias + (c) * CB) : _mm512_setzero_ps();
 
 /* R rows (xq, comp, sx at the tile's first row) against C blocks of 16 columns (wb at the
-   first block's packed bytes, wstride bytes apart; sw and bias at its first column), into
-   y at the tile's first row and column. */
+   first block's packed bytes, wstride bytes apart; sw at the first block's scales and bias
+   at its first column), into y at the tile's first row and column. `grouped` is a
+   constant where it is called, so each call keeps one of the two scale paths. */
 #define DEFINE_TILE(R, C)                                                                   \
     static inline __attribute__((always_inline)) void tile_##R##x##C(                       \
         const int8_t *restrict xq, const int32_t *restrict comp, const float *restrict sx,  \
         int64_t K, int64_t ag, const uint8_t *restrict wb, int64_t wstride,                 \
         const float *restrict sw, const float *restrict bias, void *y, int64_t y_stride,    \
-        int y_bf16) {                                                                       \
+        int y_bf16, const int grouped) {                                                    \
         const int64_t G = K / ag;                                                           \
         ROWS_##R(R_DECL)                                                                    \
         for (int64_t g = 0; g < G; g++) {                                                   \
@@ -165,6 +177,7 @@ static inline __attribute__((always_inline)) void store16_out(void *y, int bf16,
                 BLOCKS(B_LOAD)                                                              \
                 ROWS_##R(R_DOT)                                                             \
             }                                                                               \
+            BLOCKS(B_GROUP)                                                                 \
             ROWS_##R(R_ADD)                                                                 \
         }                                                                                   \
         BLOCKS(B_SCALE)                                                                     \
@@ -187,17 +200,18 @@ DEFINE_TILE(1, 1)
 #undef BLOCKS
 
 /* Rows [r0, r1) against `nblocks` (3 or 1) blocks from block b. */
-static void run_unit(const int8_t *xq, const int32_t *comp, const float *sx, int64_t K,
-                     int64_t ag, const uint8_t *w, const float *sw, const float *bias,
-                     int64_t b, int nblocks, void *y, int64_t y_stride, int y_bf16,
-                     int64_t r0, int64_t r1) {
+static inline __attribute__((always_inline)) void run_blocks(
+    const int8_t *xq, const int32_t *comp, const float *sx, int64_t K, int64_t ag,
+    const uint8_t *w, const float *sw, const float *bias, int64_t b, int nblocks, void *y,
+    int64_t y_stride, int y_bf16, int64_t r0, int64_t r1, const int grouped) {
     const int64_t G = K / ag, wstride = K * CB;
     const uint8_t *wb = w + b * wstride;
-    const float *swb = sw + b * CB, *bb = bias != NULL ? bias + b * CB : NULL;
+    const float *swb = sw + b * (grouped ? G * CB : CB), *bb = bias != NULL ? bias + b * CB : NULL;
     const size_t out_size = y_bf16 ? sizeof(bf16_t) : sizeof(float);
     int64_t r = r0;
 #define AT(r) xq + (r) * K, comp + (r) * G, sx + (r) * G, K, ag, wb, wstride, swb, bb,       \
-              (char *)y + ((r) * y_stride + b * CB) * (int64_t)out_size, y_stride, y_bf16
+              (char *)y + ((r) * y_stride + b * CB) * (int64_t)out_size, y_stride, y_bf16,  \
+              grouped
     if (nblocks == 3) {
         for (; r + 4 <= r1; r += 4) tile_4x3(AT(r));
         if (r + 2 <= r1) tile_2x3(AT(r)), r += 2;
@@ -210,9 +224,22 @@ static void run_unit(const int8_t *xq, const int32_t *comp, const float *sx, int
 #undef AT
 }
 
+static void run_unit(const int8_t *xq, const int32_t *comp, const float *sx, int64_t K,
+                     int64_t ag, const uint8_t *w, const float *sw, const float *bias,
+                     int64_t b, int nblocks, void *y, int64_t y_stride, int y_bf16,
+                     int64_t r0, int64_t r1, int grouped) {
+    if (grouped)
+        run_blocks(xq, comp, sx, K, ag, w, sw, bias, b, nblocks, y, y_stride, y_bf16, r0, r1,
+                   1);
+    else
+        run_blocks(xq, comp, sx, K, ag, w, sw, bias, b, nblocks, y, y_stride, y_bf16, r0, r1,
+                   0);
+}
+
 static void gemm(const int8_t *xq, const int32_t *comp, const float *sx, int64_t T,
                  int64_t K, int64_t ag, const uint8_t *w, const float *sw, const float *bias,
-                 int64_t N, void *y, int64_t y_stride, int y_bf16, int64_t num_threads) {
+                 int64_t N, int grouped, void *y, int64_t y_stride, int y_bf16,
+                 int64_t num_threads) {
     const int64_t nb = N / CB, triples = nb / 3, units = triples + nb % 3;
 #pragma omp parallel num_threads(num_threads)
     {
@@ -223,10 +250,10 @@ static void gemm(const int8_t *xq, const int32_t *comp, const float *sx, int64_t
             for (int64_t u = u0; u < u1; u++) {
                 if (u < triples)
                     run_unit(xq, comp, sx, K, ag, w, sw, bias, 3 * u, 3, y, y_stride, y_bf16,
-                             r0, r1);
+                             r0, r1, grouped);
                 else
                     run_unit(xq, comp, sx, K, ag, w, sw, bias, 3 * triples + (u - triples), 1,
-                             y, y_stride, y_bf16, r0, r1);
+                             y, y_stride, y_bf16, r0, r1, grouped);
             }
         }
     }
@@ -236,11 +263,13 @@ static void gemm(const int8_t *xq, const int32_t *comp, const float *sx, int64_t
 
 static void gemm(const int8_t *xq, const int32_t *comp, const float *sx, int64_t T,
                  int64_t K, int64_t ag, const uint8_t *w, const float *sw, const float *bias,
-                 int64_t N, void *y, int64_t y_stride, int y_bf16, int64_t num_threads) {
+                 int64_t N, int grouped, void *y, int64_t y_stride, int y_bf16,
+                 int64_t num_threads) {
     const int64_t G = K / ag;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int64_t n = 0; n < N; n++) {
         const uint8_t *wb = w + (n / CB) * K * CB + (n % CB) * 4;
+        const float *gs = sw + (n / CB) * G * CB + n % CB; /* grouped: scale of group g */
         for (int64_t t = 0; t < T; t++) {
             const int8_t *xr = xq + t * K;
             float total = 0.0f;
@@ -251,9 +280,12 @@ static void gemm(const int8_t *xq, const int32_t *comp, const float *sx, int64_t
                     acc += (int32_t)q[0] * xr[k] + (int32_t)q[1] * xr[k + 1] +
                            (int32_t)q[2] * xr[k + 2] + (int32_t)q[3] * xr[k + 3];
                 }
-                total = fmaf((float)acc, sx[t * G + g], total);
+                total = fmaf((float)acc, grouped ? sx[t * G + g] * gs[g * CB] : sx[t * G + g],
+                             total);
             }
-            store_out(y, y_bf16, t * y_stride + n, finish(total, sw[n], bias, n));
+            const float out = grouped ? (bias != NULL ? total + bias[n] : total)
+                                      : finish(total, sw[n], bias, n);
+            store_out(y, y_bf16, t * y_stride + n, out);
         }
     }
 }
@@ -266,11 +298,12 @@ static __thread void *scratch;
 static __thread size_t scratch_size;
 
 /* y [T][N] (row stride y_stride, float32 or bf16) = x [T][K] (row stride x_stride) times
-   the packed weights, as described at the top. K a multiple of ag, ag of 4, N of 16.
-   Returns 0, or 1 when the activations' buffer could not be allocated. */
+   the packed weights, as described at the top (grouped: sw holds a scale per group of ag
+   inputs). K a multiple of ag, ag of 4, N of 16. Returns 0, or 1 when the activations'
+   buffer could not be allocated. */
 int qdot_linear(const void *x, int64_t x_stride, int x_bf16, int64_t T, int64_t K,
-                int64_t ag, const uint8_t *w, const float *sw, const float *bias, int64_t N,
-                void *y, int64_t y_stride, int y_bf16, int64_t num_threads) {
+                int64_t ag, const uint8_t *w, const float *sw, int grouped, const float *bias,
+                int64_t N, void *y, int64_t y_stride, int y_bf16, int64_t num_threads) {
     const int64_t G = K / ag;
     const size_t xq_bytes = ((size_t)(T * K) + 63) & ~(size_t)63;
     const size_t need = xq_bytes + (size_t)(T * G) * (sizeof(int32_t) + sizeof(float));
@@ -289,6 +322,6 @@ int qdot_linear(const void *x, int64_t x_stride, int x_bf16, int64_t T, int64_t 
     for (int64_t t = 0; t < T; t++)
         quantize_row((const char *)x + t * x_stride * (int64_t)in_size, x_bf16, K, ag,
                      xq + t * K, comp + t * G, sx + t * G);
-    gemm(xq, comp, sx, T, K, ag, w, sw, bias, N, y, y_stride, y_bf16, num_threads);
+    gemm(xq, comp, sx, T, K, ag, w, sw, bias, N, grouped, y, y_stride, y_bf16, num_threads);
     return 0;
 }

@@ -1,6 +1,8 @@
 """Linear layers on int8 weights and int8 activations on the CPU (`--quantization w8a8`).
 
-Weights are symmetric int8 per output channel (as `--quantization int8` holds them).
+Weights are symmetric int8 per output channel (as `--quantization int8` holds them), or,
+"grouped", with a scale per output channel and group of the activations' inputs (the output
+projection's int8 in groups of 32, GGUF's Q8_0 grid).
 Activations are quantized as each step runs: every row in groups of ACT_GROUP inputs, one
 scale per group (max |x| / 127), rounded to nearest even. The products are summed exactly
 in int32 per group and scaled in float32 (cpu_qdot.c has the arithmetic, step by step).
@@ -37,8 +39,8 @@ ACT_GROUP = 64  # activations' inputs per scale, where the layer's inputs divide
 def _declare(lib: ctypes.CDLL) -> None:
     i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     lib.qdot_variant.argtypes, lib.qdot_variant.restype = [], i32
-    lib.qdot_linear.argtypes = [ptr, i64, i32, i64, i64, i64, ptr, ptr, ptr, i64, ptr, i64,
-                                i32, i64]
+    lib.qdot_linear.argtypes = [ptr, i64, i32, i64, i64, i64, ptr, ptr, i32, ptr, i64, ptr,
+                                i64, i32, i64]
     lib.qdot_linear.restype = i32
 
 
@@ -74,36 +76,54 @@ class QDotWeight:
     """A [out_features, in_features] int8 weight in the kernel's layout.
 
     packed: uint8 [N / 16 * K / 4 * 64] (q + 128, blocks of 16 columns by 4 inputs);
-    scales: float32 [N], one per output channel."""
+    scales: float32 [N], one per output channel, or grouped [N / 16, K / act_group, 16], one
+    per output channel and group of act_group inputs."""
 
     packed: torch.Tensor
     scales: torch.Tensor
     out_features: int
     in_features: int
     act_group: int
+    grouped: bool = False
 
     bits = 8
 
     @property
     def group_size(self) -> int:
-        return self.in_features  # the weights' scales: one per output channel
+        """Inputs per weight scale."""
+        return self.act_group if self.grouped else self.in_features
+
+    def scale_rows(self) -> torch.Tensor:
+        """The weight scales as [N, K / group_size]."""
+        n = self.out_features
+        if not self.grouped:
+            return self.scales[:, None]
+        return self.scales.transpose(1, 2).reshape(n, -1)
 
     @property
     def nbytes(self) -> int:
         return self.packed.numel() + self.scales.numel() * 4
 
 
-def pack(q: torch.Tensor, scales: torch.Tensor) -> QDotWeight:
-    """Integers q [N, K] (int8 in -127..127) with float scales [N] (or [N, 1]) -> the
-    kernel's layout. ValueError for shapes or values it cannot hold."""
+def pack(q: torch.Tensor, scales: torch.Tensor, group: int | None = None) -> QDotWeight:
+    """Integers q [N, K] (int8 in -127..127) with float scales [N] (or [N, 1]; with `group`
+    [N, K / group], the activations then quantized in the same groups) -> the kernel's
+    layout. ValueError for shapes or values it cannot hold."""
     n, k = q.shape
-    scales = scales.reshape(-1).float().contiguous()
+    g = k if group is None else group
+    grouped = g != k
+    scales = scales.float().reshape(n, -1) if grouped else scales.reshape(-1).float()
     problems = []
     if n % BLOCK:
         problems.append(f"{n} output features (a multiple of {BLOCK} is needed)")
     if k % 4:
         problems.append(f"{k} input features (a multiple of 4 is needed)")
-    if scales.numel() != n:
+    if grouped and (g <= 0 or g % 4 or k % g):
+        problems.append(f"groups of {g} for {k} input features (a multiple of 4 that "
+                        "divides them is needed)")
+    elif grouped and scales.shape != (n, k // g):
+        problems.append(f"scales {tuple(scales.shape)} for {n} x {k} in groups of {group}")
+    elif not grouped and scales.numel() != n:
         problems.append(f"{scales.numel()} scales for {n} output features")
     if problems:
         raise ValueError("w8a8 weight refused: " + "; ".join(problems))
@@ -112,16 +132,34 @@ def pack(q: torch.Tensor, scales: torch.Tensor) -> QDotWeight:
         raise ValueError("w8a8 weight refused: integers outside -127..127")
     unsigned = (qi + 128).to(torch.uint8)
     packed = unsigned.reshape(n // BLOCK, BLOCK, k // 4, 4).permute(0, 2, 1, 3).contiguous()
-    return QDotWeight(packed.reshape(-1), scales, n, k, act_group(k))
+    if grouped:
+        blocked = scales.reshape(n // BLOCK, BLOCK, k // g).transpose(1, 2).contiguous()
+        return QDotWeight(packed.reshape(-1), blocked, n, k, g, grouped=True)
+    return QDotWeight(packed.reshape(-1), scales.contiguous(), n, k, act_group(k))
 
 
-def quantize(weight: torch.Tensor) -> QDotWeight:
-    """Round-to-nearest symmetric int8 per output channel (as `--quantization int8`)."""
-    w = weight.detach().float()
-    scale = w.abs().amax(1) / 127.0
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
-    return pack(q, scale)
+# Rows quantized at a time (`quantize`): an embedding table's float temporaries stay small.
+QUANTIZE_ROWS = 4096
+
+
+def quantize(weight: torch.Tensor, group: int | None = None) -> QDotWeight:
+    """Round-to-nearest symmetric int8 per output channel (as `--quantization int8`), or per
+    output channel and group of `group` inputs (as int8 in groups: the same integers and
+    scales as loraplex_kernels.cpu_quant's)."""
+    n, k = weight.shape
+    g = k if group is None else group
+    if g <= 0 or k % g:
+        raise ValueError(f"group size {g} does not divide {k} input features")
+    q = torch.empty(n, k, dtype=torch.int8)
+    scales = torch.empty(n, k // g)
+    for r0 in range(0, n, QUANTIZE_ROWS):
+        r1 = min(n, r0 + QUANTIZE_ROWS)
+        w = weight[r0:r1].detach().float().reshape(r1 - r0, k // g, g)
+        scale = w.abs().amax(-1) / 127.0
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        q[r0:r1] = torch.round(w / scale[..., None]).clamp_(-127, 127).reshape(r1 - r0, k)
+        scales[r0:r1] = scale
+    return pack(q, scales, group)
 
 
 def integers(qw: QDotWeight) -> torch.Tensor:
@@ -133,7 +171,8 @@ def integers(qw: QDotWeight) -> torch.Tensor:
 
 def dequantize(qw: QDotWeight) -> torch.Tensor:
     """The float32 weight [N, K] the integers stand for."""
-    return integers(qw).float() * qw.scales[:, None]
+    n, k, g = qw.out_features, qw.in_features, qw.group_size
+    return (integers(qw).float().view(n, k // g, g) * qw.scale_rows()[..., None]).view(n, k)
 
 
 def quantize_activations(x: torch.Tensor, group: int
@@ -174,7 +213,10 @@ def reference_linear(x: torch.Tensor, qw: QDotWeight, bias: torch.Tensor | None 
     ints = integers(qw).double()  # [N, K]
     per_group = torch.einsum("tgk,ngk->tgn", q.double().reshape(t, k // group, group),
                              ints.reshape(-1, k // group, group))
-    total = (per_group * scale.double()[..., None]).sum(1) * qw.scales.double()
+    if qw.grouped:
+        total = (per_group * scale.double()[..., None] * qw.scale_rows().double().t()).sum(1)
+    else:
+        total = (per_group * scale.double()[..., None]).sum(1) * qw.scales.double()
     if bias is not None:
         total = total + bias.double()
     return total.to(x.dtype)
@@ -207,7 +249,8 @@ def linear(x: torch.Tensor, qw: QDotWeight, bias: torch.Tensor | None = None,
     bf16 = int(x.dtype == torch.bfloat16)
     failed = lib.qdot_linear(
         x.data_ptr(), x.stride(0), bf16, t, k, qw.act_group, qw.packed.data_ptr(),
-        qw.scales.data_ptr(), None if bias is None else bias.data_ptr(), n, y.data_ptr(),
+        qw.scales.data_ptr(), int(qw.grouped), None if bias is None else bias.data_ptr(), n,
+        y.data_ptr(),
         y.stride(0), bf16, torch.get_num_threads())
     if failed:
         raise MemoryError(f"the w8a8 kernel could not run x {tuple(x.shape)}")

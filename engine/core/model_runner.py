@@ -251,7 +251,8 @@ class ModelRunner:
             # Decoder linears the checkpoint left in float get the same scheme.
             num_quantized += quantize_linears(model.layers, self.quantization)
             tables = ("the embeddings and the output projection to int8"
-                      if quantize_embeddings(model, self.dtype) else
+                      if quantize_embeddings(model, self.dtype,
+                                             self.quantization.int8_activations) else
                       f"the embeddings and the output projection kept in {self.dtype} (a "
                       f"vocabulary of {self.model_config.vocab_size}, not a multiple of 16)")
             if self.checkpoint_scheme is not None:

@@ -201,10 +201,12 @@ def embedding_group(hidden_size: int) -> int | None:
 
 
 class QuantEmbedding(nn.Module):
-    """The embedding table as a cpu_quant.QuantizedWeight (one row per token): ids [T] ->
-    rows [T, HID] in `dtype`, dequantized on lookup."""
+    """The embedding table as a cpu_quant.QuantizedWeight, or under w8a8 a grouped
+    cpu_qdot.QDotWeight (one row per token): ids [T] -> rows [T, HID] in `dtype`,
+    dequantized on lookup."""
 
-    def __init__(self, weight: cpu_quant.QuantizedWeight, dtype: torch.dtype) -> None:
+    def __init__(self, weight: cpu_quant.QuantizedWeight | cpu_qdot.QDotWeight,
+                 dtype: torch.dtype) -> None:
         super().__init__()
         assert weight.bits == 8, "embeddings are int8"
         self.quantized = weight
@@ -216,6 +218,13 @@ class QuantEmbedding(nn.Module):
         k, g = qw.in_features, qw.group_size
         flat = ids.reshape(-1)
         blocks, columns = flat // cpu_quant.BLOCK, flat % cpu_quant.BLOCK
+        if isinstance(qw, cpu_qdot.QDotWeight):
+            quads = qw.packed.view(-1, k // 4, cpu_qdot.BLOCK, 4)[blocks, :, columns, :]
+            ints = quads.reshape(-1, k).to(torch.int16) - 128
+            scales = (qw.scales[blocks, :, columns] if qw.grouped
+                      else qw.scales[flat][:, None])
+            rows = ints.float().view(-1, k // g, g) * scales[..., None]
+            return rows.reshape(*ids.shape, k).to(self.dtype)
         q = qw.qweight.view(-1, k, cpu_quant.BLOCK).view(torch.int8)[blocks, :, columns]
         rows = q.float().view(-1, k // g, g) * qw.scales[blocks, :, columns][..., None]
         if qw.offsets is not None:
@@ -223,22 +232,33 @@ class QuantEmbedding(nn.Module):
         return rows.reshape(*ids.shape, k).to(self.dtype)
 
 
-def quantize_embeddings(model: nn.Module, dtype: torch.dtype) -> bool:
+def quantize_embeddings(model: nn.Module, dtype: torch.dtype,
+                        int8_activations: bool = False) -> bool:
     """The model's embeddings and output projection as int8 (EMBEDDING_GROUP): a tied
-    output projection reads the same integers as the lookup. False (both kept in `dtype`)
-    where the vocabulary is not a multiple of the kernel's 16-row blocks."""
+    output projection reads the same integers as the lookup. `int8_activations` (w8a8): in
+    cpu_qdot's layout, the same integers and scales, so that the output projection's input
+    is quantized in the same groups and multiplied as integers (at 32 rows 2x the
+    weight-only kernel's speed; the bundled model's perplexity unchanged: docs/BENCHMARKS.md,
+    "w8a8"). False (both kept in `dtype`) where the vocabulary is not a multiple of the
+    kernels' 16-row blocks."""
     table = cast(nn.Embedding, model.embed_tokens).weight
     vocab, hidden = table.shape
     if vocab % cpu_quant.BLOCK:
         return False
-    qw = cpu_quant.quantize(table, EMBEDDING_BITS, embedding_group(hidden))
+    group = embedding_group(hidden)
+
+    def quantize(weight: torch.Tensor) -> cpu_quant.QuantizedWeight | cpu_qdot.QDotWeight:
+        if int8_activations:
+            return cpu_qdot.quantize(weight, group)
+        return cpu_quant.quantize(weight, EMBEDDING_BITS, group)
+
+    qw = quantize(table)
     model.embed_tokens = QuantEmbedding(qw, dtype)
     head = model.lm_head
     if head is None:
         model.lm_head = QuantLinear(qw, None)
     elif isinstance(head, nn.Linear):
-        model.lm_head = QuantLinear(
-            cpu_quant.quantize(head.weight, EMBEDDING_BITS, embedding_group(hidden)), head.bias)
+        model.lm_head = QuantLinear(quantize(head.weight), head.bias)
     return True
 
 
@@ -300,13 +320,23 @@ def hook_int8_activations(hf_model: Any) -> int:
     (cpu_qdot.fake_quantize); returns how many. A PEFT adapter wrapping a layer later
     reads the input before the hook, as the engine's adapters do."""
     count = 0
+
+    def hook(module: nn.Module, group: int) -> None:
+        module.register_forward_pre_hook(
+            lambda _module, args, group=group: (
+                cpu_qdot.fake_quantize(args[0], group), *args[1:]))
+
     for name, module in hf_model.named_modules():
         if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in HF_LINEARS:
-            group = cpu_qdot.act_group(module.in_features)
-            module.register_forward_pre_hook(
-                lambda _module, args, group=group: (
-                    cpu_qdot.fake_quantize(args[0], group), *args[1:]))
+            hook(module, cpu_qdot.act_group(module.in_features))
             count += 1
+    # The output projection, where the engine quantizes it (quantize_embeddings): its
+    # input in the embeddings' groups.
+    embeddings = hf_model.get_input_embeddings().weight
+    head = hf_model.get_output_embeddings()
+    if embeddings.shape[0] % cpu_quant.BLOCK == 0 and isinstance(head, nn.Linear):
+        hidden = embeddings.shape[1]
+        hook(head, embedding_group(hidden) or cpu_qdot.act_group(hidden))
     return count
 
 

@@ -38,13 +38,18 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 SHAPES = [(48, 128), (64, 96), (80, 576), (960, 576), (16, 48), (32, 36)]
 
 
-@pytest.mark.parametrize(("n", "k"), SHAPES)
+@pytest.mark.parametrize(("n", "k", "group"),
+                         [*((n, k, None) for n, k in SHAPES), (80, 576, 32), (64, 96, 16),
+                          (48, 128, 32)])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 13, 32, 130])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_linear_equals_the_reference_and_the_generic_build(
-    n: int, k: int, rows: int, dtype: torch.dtype
+    n: int, k: int, group: int | None, rows: int, dtype: torch.dtype
 ) -> None:
-    qw = cpu_qdot.quantize(_weight(n, k, n + k))
+    """Per-channel weights (group None) and grouped ones (a scale per group of the
+    activations' inputs, as the output projection holds them)."""
+    qw = cpu_qdot.quantize(_weight(n, k, n + k), group)
+    assert qw.grouped == (group is not None) and qw.act_group == (group or qw.act_group)
     bias = torch.randn(n, generator=torch.Generator().manual_seed(3))
     x = _rows(rows, k, rows, dtype)
     for b in (None, bias):
@@ -133,6 +138,20 @@ def test_quantize_rounds_per_channel_within_half_a_step() -> None:
     qw = cpu_qdot.quantize(w)
     step = w.abs().amax(1, keepdim=True) / 127
     assert bool(((cpu_qdot.dequantize(qw) - w).abs() <= step / 2 + 1e-7).all())
+
+
+def test_grouped_weights_are_the_weight_only_kernels_int8_groups() -> None:
+    """In groups, the same integers and scales as cpu_quant's int8 (the embeddings' Q8_0
+    grid), so the output projection and the embedding lookup stand for the same values."""
+    from loraplex_kernels import cpu_quant
+
+    w = _weight(64, 96, 14)
+    qw = cpu_qdot.quantize(w, 32)
+    assert torch.equal(cpu_qdot.dequantize(qw), cpu_quant.dequantize_reference(
+        cpu_quant.quantize(w, 8, 32)))
+    assert qw.group_size == 32 and qw.scale_rows().shape == (64, 3)
+    with pytest.raises(ValueError, match="groups of 6 for 96 input features"):
+        cpu_qdot.pack(torch.zeros(16, 96, dtype=torch.int8), torch.ones(16, 16), 6)
 
 
 def test_fake_quantize_is_what_the_kernel_multiplies() -> None:

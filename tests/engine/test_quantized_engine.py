@@ -78,6 +78,8 @@ def test_quantized_engine_agrees_with_hf_and_peft_on_the_dequantized_weights(
                                                                           QuantLinear)
     assert model.lm_head.quantized is model.embed_tokens.quantized
     assert model.lm_head.quantized.bits == 8
+    # w8a8: the output projection's input quantized too, in the embeddings' groups.
+    assert isinstance(model.lm_head.quantized, cpu_qdot.QDotWeight) == spec.int8_activations
     assert_engine_agrees_with_oracle(core, oracle_dir, adapters,
                                      int8_activations=spec.int8_activations)
 
