@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from loraplex_kernels import cpu_quant
 from loraplex_kernels.cpu_build import SOURCE_DIR, LazyLibrary
 
 BLOCK = 16  # output columns per block of the layout
@@ -227,31 +228,16 @@ def linear(x: torch.Tensor, qw: QDotWeight, bias: torch.Tensor | None = None,
     """x [T, K] float32 or bf16 . W^T (+ bias float32 [N]) -> [T, N] in x's dtype (into
     `out` [T, N] when given: rows of any stride, unit stride within a row). `generic`: the
     generic loops' build whatever the CPU has (tests)."""
-    t, k = x.shape
-    n = qw.out_features
-    assert k == qw.in_features, (x.shape, qw.in_features)
-    assert x.dtype in (torch.float32, torch.bfloat16), x.dtype
     lib = _generic() if generic else _library()
-    if lib is None:
-        y = reference_linear(x, qw, bias)
-        if out is None:
-            return y
-        out.copy_(y)
-        return out
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    y = torch.empty(t, n, dtype=x.dtype) if out is None else out
-    assert y.shape == (t, n) and y.stride(1) == 1 and y.dtype == x.dtype, (y.shape, y.dtype)
-    if t == 0:
-        return y
-    if bias is not None:
-        assert bias.dtype == torch.float32 and bias.is_contiguous() and bias.shape == (n,)
-    bf16 = int(x.dtype == torch.bfloat16)
-    failed = lib.qdot_linear(
-        x.data_ptr(), x.stride(0), bf16, t, k, qw.act_group, qw.packed.data_ptr(),
-        qw.scales.data_ptr(), int(qw.grouped), None if bias is None else bias.data_ptr(), n,
-        y.data_ptr(),
-        y.stride(0), bf16, torch.get_num_threads())
-    if failed:
-        raise MemoryError(f"the w8a8 kernel could not run x {tuple(x.shape)}")
-    return y
+
+    def launch(xc: torch.Tensor, y: torch.Tensor, bf16: int) -> int:
+        assert lib is not None
+        return int(lib.qdot_linear(
+            xc.data_ptr(), xc.stride(0), bf16, xc.shape[0], xc.shape[1], qw.act_group,
+            qw.packed.data_ptr(), qw.scales.data_ptr(), int(qw.grouped),
+            None if bias is None else bias.data_ptr(), qw.out_features, y.data_ptr(),
+            y.stride(0), bf16, torch.get_num_threads()))
+
+    return cpu_quant.kernel_linear(
+        x, qw.in_features, qw.out_features, bias, out,
+        (lambda: reference_linear(x, qw, bias)) if lib is None else None, launch, "w8a8")

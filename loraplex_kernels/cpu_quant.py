@@ -19,6 +19,7 @@ activations (no vector path) and 1.5x oneDNN's bf16 time with bf16 ones;
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -199,14 +200,38 @@ def linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = Non
            out: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, K] float32 or bf16 . W^T (+ bias float32 [N]) -> [T, N] in x's dtype (into
     `out` [T, N] when given: rows of any stride, unit stride within a row)."""
-    t, k = x.shape
-    n = qw.out_features
-    assert k == qw.in_features, (x.shape, qw.in_features)
-    assert x.dtype in (torch.float32, torch.bfloat16), x.dtype
     lib = _library()
-    if lib is None:
-        y = torch.nn.functional.linear(
+
+    def fallback() -> torch.Tensor:
+        return torch.nn.functional.linear(
             x, dequantize(qw).to(x.dtype), None if bias is None else bias.to(x.dtype))
+
+    def launch(xc: torch.Tensor, y: torch.Tensor, bf16: int) -> int:
+        assert lib is not None
+        return int(lib.quant_linear(
+            xc.data_ptr(), xc.stride(0), bf16, xc.shape[0], xc.shape[1], qw.qweight.data_ptr(),
+            qw.bits, qw.group_size, qw.scales.data_ptr(), _ptr(qw.offsets), qw.out_features,
+            _ptr(bias), y.data_ptr(), y.stride(0), bf16, torch.get_num_threads()))
+
+    return kernel_linear(x, qw.in_features, qw.out_features, bias, out,
+                         fallback if lib is None else None, launch, "quantized linear")
+
+
+def kernel_linear(x: torch.Tensor, in_features: int, out_features: int,
+                  bias: torch.Tensor | None, out: torch.Tensor | None,
+                  fallback: Callable[[], torch.Tensor] | None,
+                  launch: Callable[[torch.Tensor, torch.Tensor, int], int],
+                  name: str) -> torch.Tensor:
+    """What a linear kernel call shares (this module's and cpu_qdot's): the checks, the
+    torch `fallback` where there is no kernel (None: there is one), the output (into `out`
+    where given), and `launch(x with unit stride, y, bf16)`, which returns non-zero where
+    the kernel could not allocate its buffers (MemoryError)."""
+    t, k = x.shape
+    n = out_features
+    assert k == in_features, (x.shape, in_features)
+    assert x.dtype in (torch.float32, torch.bfloat16), x.dtype
+    if fallback is not None:
+        y = fallback()
         if out is None:
             return y
         out.copy_(y)
@@ -219,12 +244,6 @@ def linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = Non
         return y
     if bias is not None:
         assert bias.dtype == torch.float32 and bias.is_contiguous() and bias.shape == (n,)
-    bf16 = int(x.dtype == torch.bfloat16)
-    failed = lib.quant_linear(
-        x.data_ptr(), x.stride(0), bf16, t, k, qw.qweight.data_ptr(), qw.bits,
-        qw.group_size, qw.scales.data_ptr(), _ptr(qw.offsets), n, _ptr(bias),
-        y.data_ptr(), y.stride(0), bf16, torch.get_num_threads(),
-    )
-    if failed:
-        raise MemoryError(f"the quantized linear kernel could not run x {tuple(x.shape)}")
+    if launch(x, y, int(x.dtype == torch.bfloat16)):
+        raise MemoryError(f"the {name} kernel could not run x {tuple(x.shape)}")
     return y
