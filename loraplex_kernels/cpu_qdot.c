@@ -31,6 +31,7 @@
 */
 #include <math.h>
 #include <omp.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -56,8 +57,10 @@ int qdot_variant(void) {
 }
 
 /* One row of x (float32 or bf16) quantized in groups of ag: xq[K], comp[G], sx[G]. A group
-   of zeros gets the scale 0; a group holding a NaN or an infinity gets a NaN or infinite
-   scale and zeros, so its row's outputs come out NaN, as the float product's would. */
+   of zeros gets the scale 0; a group holding a NaN or an infinity gets a NaN scale and
+   zeros, so its row's outputs come out NaN, as the float product's would. (Per channel,
+   the sum over groups is taken before the weight scale: finite inputs above ~1e32 overflow
+   it to infinity where the float product would not; activations are nowhere near.) */
 static void quantize_row(const void *x, int bf16, int64_t K, int64_t ag, int8_t *xq,
                          int32_t *comp, float *sx) {
     float v[ag];
@@ -269,7 +272,8 @@ static void gemm(const int8_t *xq, const int32_t *comp, const float *sx, int64_t
 #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int64_t n = 0; n < N; n++) {
         const uint8_t *wb = w + (n / CB) * K * CB + (n % CB) * 4;
-        const float *gs = sw + (n / CB) * G * CB + n % CB; /* grouped: scale of group g */
+        /* grouped: the scale of group g at gs[g * CB] */
+        const float *gs = grouped ? sw + (n / CB) * G * CB + n % CB : sw;
         for (int64_t t = 0; t < T; t++) {
             const int8_t *xr = xq + t * K;
             float total = 0.0f;
@@ -293,9 +297,14 @@ static void gemm(const int8_t *xq, const int32_t *comp, const float *sx, int64_t
 #endif /* HAVE_VNNI */
 
 /* The activations' buffer of the calling thread (xq, comp, sx), grown as needed and kept:
-   a prefill's is a few MiB, and a fresh one per call would fault its pages in each time. */
+   a prefill's is a few MiB, and a fresh one per call would fault its pages in each time.
+   Freed when its thread exits (the key's destructor). */
 static __thread void *scratch;
 static __thread size_t scratch_size;
+static pthread_key_t scratch_key;
+static pthread_once_t scratch_once = PTHREAD_ONCE_INIT;
+
+static void make_scratch_key(void) { (void)pthread_key_create(&scratch_key, free); }
 
 /* y [T][N] (row stride y_stride, float32 or bf16) = x [T][K] (row stride x_stride) times
    the packed weights, as described at the top (grouped: sw holds a scale per group of ag
@@ -313,6 +322,8 @@ int qdot_linear(const void *x, int64_t x_stride, int x_bf16, int64_t T, int64_t 
         free(scratch);
         scratch = grown;
         scratch_size = need;
+        pthread_once(&scratch_once, make_scratch_key);
+        (void)pthread_setspecific(scratch_key, scratch);
     }
     int8_t *xq = (int8_t *)scratch;
     int32_t *comp = (int32_t *)((char *)scratch + xq_bytes);

@@ -14,9 +14,9 @@ instruction where `vdpbf16ps` does 32. Groups of 64 rather than one scale per ro
 activation scales raised the bundled SmolLM2's perplexity by 2.3%, groups of 64 by 0.4%
 (docs/BENCHMARKS.md, "w8a8").
 
-`reference_linear` is the same computation in torch ops (float64 sums): the fallback
-without a compiler and what the kernel is tested against; `fake_quantize` is what the
-activations stand for, for a Hugging Face oracle.
+`reference_linear` is the same computation in torch ops (float64 sums): what the kernel is
+tested against; `fake_quantize` is what the activations stand for, for a Hugging Face
+oracle, and, over the dequantized weights in float32, the fallback without a compiler.
 
 NOTE: C in cpu_qdot.c, built by cpu_build.py for the CPU it runs on and called through
 ctypes with the GIL released. Without AVX-512 VNNI the build runs generic loops with the
@@ -35,6 +35,7 @@ from loraplex_kernels.cpu_build import SOURCE_DIR, LazyLibrary
 
 BLOCK = 16  # output columns per block of the layout
 ACT_GROUP = 64  # activations' inputs per scale, where the layer's inputs divide by it
+MAX_GROUP = 1024  # the most inputs of a group pack takes (the kernel's int32 sums hold them)
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -119,9 +120,9 @@ def pack(q: torch.Tensor, scales: torch.Tensor, group: int | None = None) -> QDo
         problems.append(f"{n} output features (a multiple of {BLOCK} is needed)")
     if k % 4:
         problems.append(f"{k} input features (a multiple of 4 is needed)")
-    if grouped and (g <= 0 or g % 4 or k % g):
+    if grouped and (g <= 0 or g % 4 or k % g or g > MAX_GROUP):
         problems.append(f"groups of {g} for {k} input features (a multiple of 4 that "
-                        "divides them is needed)")
+                        f"divides them, at most {MAX_GROUP}, is needed)")
     elif grouped and scales.shape != (n, k // g):
         problems.append(f"scales {tuple(scales.shape)} for {n} x {k} in groups of {group}")
     elif not grouped and scales.numel() != n:
@@ -206,8 +207,8 @@ def fake_quantize(x: torch.Tensor, group: int) -> torch.Tensor:
 
 def reference_linear(x: torch.Tensor, qw: QDotWeight, bias: torch.Tensor | None = None
                      ) -> torch.Tensor:
-    """`linear` in torch ops, the sums in float64: the fallback without a compiler and the
-    definition the kernel is tested against."""
+    """`linear` in torch ops, the sums in float64: the definition the kernel is tested
+    against."""
     group = qw.act_group
     q, scale = quantize_activations(x, group)
     t, k = q.shape
@@ -240,4 +241,11 @@ def linear(x: torch.Tensor, qw: QDotWeight, bias: torch.Tensor | None = None,
 
     return cpu_quant.kernel_linear(
         x, qw.in_features, qw.out_features, bias, out,
-        (lambda: reference_linear(x, qw, bias)) if lib is None else None, launch, "w8a8")
+        (lambda: _fallback(x, qw, bias)) if lib is None else None, launch, "w8a8")
+
+
+def _fallback(x: torch.Tensor, qw: QDotWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """Without the kernel: a float32 matmul of the quantized rows and the dequantized
+    weights (the kernel's values, summed in another order: float32 rounding apart)."""
+    y = torch.nn.functional.linear(fake_quantize(x.float(), qw.act_group), dequantize(qw), bias)
+    return y.to(x.dtype)

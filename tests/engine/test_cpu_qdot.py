@@ -49,7 +49,8 @@ def test_linear_equals_the_reference_and_the_generic_build(
     """Per-channel weights (group None) and grouped ones (a scale per group of the
     activations' inputs, as the output projection holds them)."""
     qw = cpu_qdot.quantize(_weight(n, k, n + k), group)
-    assert qw.grouped == (group is not None) and qw.act_group == (group or qw.act_group)
+    assert qw.grouped == (group is not None)
+    assert qw.act_group == (group if group is not None else cpu_qdot.act_group(k))
     bias = torch.randn(n, generator=torch.Generator().manual_seed(3))
     x = _rows(rows, k, rows, dtype)
     for b in (None, bias):
@@ -66,15 +67,41 @@ def test_linear_equals_the_reference_and_the_generic_build(
         assert float(((y.float() - ref) / scale).abs().max()) <= tol
 
 
-def test_rows_past_the_row_chunk_and_strided_output() -> None:
-    """More rows than a chunk (128), into an output of wider rows (a fused layer's slice)."""
+def test_rows_past_the_row_chunk_strided_rows_and_none() -> None:
+    """More rows than a chunk (128), read from rows of a wider tensor (a fused layer's
+    slice) into an output of wider rows; and a step of no rows."""
     qw = cpu_qdot.quantize(_weight(96, 64, 9))
-    x = _rows(300, 64, 4, torch.float32)
+    x_wide = _rows(300, 200, 4, torch.float32)
+    x = x_wide[:, 40:104]
+    assert x.stride(0) == 200
     wide = torch.full((300, 160), 7.0)
     out = wide[:, 32:128]
     cpu_qdot.linear(x, qw, None, out)
     torch.testing.assert_close(out, cpu_qdot.reference_linear(x, qw), rtol=0, atol=1e-5)
+    assert torch.equal(out, cpu_qdot.linear(x.contiguous(), qw))
     assert bool((wide[:, :32] == 7).all()) and bool((wide[:, 128:] == 7).all())
+    assert cpu_qdot.linear(x[:0], qw).shape == (0, 96)
+
+
+def test_without_the_kernel_a_float_matmul_stands_in() -> None:
+    """No compiler, or the kernels switched off: the quantized rows times the dequantized
+    weights in float32 (no float64 copies of the weights per call)."""
+    from loraplex_kernels import cpu_build
+
+    qw = cpu_qdot.quantize(_weight(48, 128, 15), 32)
+    bias = torch.randn(48, generator=torch.Generator().manual_seed(16))
+    x = _rows(5, 128, 17, torch.bfloat16)
+    before = cpu_build.current_settings()
+    cpu_build.configure(cpu_build.KernelSettings(enabled=False))
+    try:
+        assert not cpu_qdot.available()
+        y = cpu_qdot.linear(x, qw, bias)
+    finally:
+        cpu_build.configure(before)
+    assert y.dtype == torch.bfloat16
+    ref = cpu_qdot.reference_linear(x.float(), qw, bias)
+    scale = ref.abs().amax(1, keepdim=True)
+    assert float(((y.float() - ref) / scale).abs().max()) <= 2**-8
 
 
 def test_activations_quantize_to_nearest_even_in_groups() -> None:
@@ -152,6 +179,8 @@ def test_grouped_weights_are_the_weight_only_kernels_int8_groups() -> None:
     assert qw.group_size == 32 and qw.scale_rows().shape == (64, 3)
     with pytest.raises(ValueError, match="groups of 6 for 96 input features"):
         cpu_qdot.pack(torch.zeros(16, 96, dtype=torch.int8), torch.ones(16, 16), 6)
+    with pytest.raises(ValueError, match="at most 1024"):
+        cpu_qdot.pack(torch.zeros(16, 4096, dtype=torch.int8), torch.ones(16, 2), 2048)
 
 
 def test_fake_quantize_is_what_the_kernel_multiplies() -> None:
