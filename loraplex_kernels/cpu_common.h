@@ -7,6 +7,15 @@
 #include <stddef.h>
 #include <stdint.h>
 
+/* A kernel tile's rows spelled out: ROWS_R(M) is M(0) ... M(R - 1), so that each row's
+   sums are a named register (gcc kept an array of them in memory, at half the speed). */
+#define ROWS_1(M) M(0)
+#define ROWS_2(M) M(0) M(1)
+#define ROWS_4(M) M(0) M(1) M(2) M(3)
+#define ROWS_6(M) ROWS_4(M) M(4) M(5)
+#define ROWS_8(M) ROWS_4(M) M(4) M(5) M(6) M(7)
+#define ROWS_12(M) ROWS_8(M) M(8) M(9) M(10) M(11)
+
 /* The dot product in 8 independent lanes, vectorized without reassociating a sum (so a
    build's results do not depend on the compiler's choices). */
 static inline __attribute__((always_inline)) float dot(const float *restrict a,

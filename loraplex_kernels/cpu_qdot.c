@@ -123,14 +123,12 @@ static inline __attribute__((always_inline)) void store16_out(void *y, int bf16,
         _mm512_storeu_ps((float *)y + i, v);
 }
 
-#define ROWS_1(M) M(0)
-#define ROWS_2(M) M(0) M(1)
-#define ROWS_4(M) M(0) M(1) M(2) M(3)
 #define BLOCKS_1(M) M(0)
 #define BLOCKS_3(M) M(0) M(1) M(2)
 #define EACH_1(M, r) M(r, 0)
 #define EACH_3(M, r) M(r, 0) M(r, 1) M(r, 2)
-/* Rows and blocks spelled out, so that each sum is a named register. */
+/* Blocks spelled out as the rows are (ROWS_R, cpu_common.h), so that each sum is a named
+   register. */
 
 #define D_SUM(r, c) __m512i i##r##c; __m512 f##r##c = _mm512_setzero_ps();
 #define I_START(r, c) i##r##c = start##r;

@@ -140,27 +140,11 @@ def pack(q: torch.Tensor, scales: torch.Tensor, group: int | None = None) -> QDo
     return QDotWeight(packed.reshape(-1), scales.contiguous(), n, k, act_group(k))
 
 
-# Rows quantized at a time (`quantize`): an embedding table's float temporaries stay small.
-QUANTIZE_ROWS = 4096
-
-
 def quantize(weight: torch.Tensor, group: int | None = None) -> QDotWeight:
     """Round-to-nearest symmetric int8 per output channel (as `--quantization int8`), or per
-    output channel and group of `group` inputs (as int8 in groups: the same integers and
-    scales as loraplex_kernels.cpu_quant's)."""
-    n, k = weight.shape
-    g = k if group is None else group
-    if g <= 0 or k % g:
-        raise ValueError(f"group size {g} does not divide {k} input features")
-    q = torch.empty(n, k, dtype=torch.int8)
-    scales = torch.empty(n, k // g)
-    for r0 in range(0, n, QUANTIZE_ROWS):
-        r1 = min(n, r0 + QUANTIZE_ROWS)
-        w = weight[r0:r1].detach().float().reshape(r1 - r0, k // g, g)
-        scale = w.abs().amax(-1) / 127.0
-        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-        q[r0:r1] = torch.round(w / scale[..., None]).clamp_(-127, 127).reshape(r1 - r0, k)
-        scales[r0:r1] = scale
+    output channel and group of `group` inputs: cpu_quant.quantize_integers' integers and
+    scales, in this kernel's layout."""
+    q, scales, _, _ = cpu_quant.quantize_integers(weight, 8, group)
     return pack(q, scales, group)
 
 

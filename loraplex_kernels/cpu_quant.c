@@ -40,14 +40,7 @@
 
 #define CB 16
 
-#define ROWS_1(M) M(0)
-#define ROWS_2(M) M(0) M(1)
-#define ROWS_4(M) M(0) M(1) M(2) M(3)
-#define ROWS_6(M) ROWS_4(M) M(4) M(5)
-#define ROWS_8(M) ROWS_4(M) M(4) M(5) M(6) M(7)
-#define ROWS_12(M) ROWS_8(M) M(8) M(9) M(10) M(11)
-/* The rows are spelled out (ROWS_R) so that each row's sums are a named register: gcc
-   kept an array of them in memory, at half the speed. */
+/* The tiles' rows are spelled out (ROWS_R, cpu_common.h). */
 
 /* One tile of R rows (x: float32 rows of K, row stride K) against one block of 16
    columns: acc[R][16] = the block's outputs before the bias. On AVX-512 the 16 columns

@@ -196,6 +196,12 @@ def quantize_linears(module: nn.Module, spec: QuantizationSpec) -> int:
     return count
 
 
+def quantizes_embeddings(vocab_size: int) -> bool:
+    """Whether the embeddings and the output projection are quantized (quantize_embeddings):
+    where the vocabulary fills the kernels' 16-row blocks."""
+    return vocab_size % cpu_quant.BLOCK == 0
+
+
 def embedding_group(hidden_size: int) -> int | None:
     return EMBEDDING_GROUP if hidden_size % EMBEDDING_GROUP == 0 else None
 
@@ -243,7 +249,7 @@ def quantize_embeddings(model: nn.Module, dtype: torch.dtype,
     kernels' 16-row blocks."""
     table = cast(nn.Embedding, model.embed_tokens).weight
     vocab, hidden = table.shape
-    if vocab % cpu_quant.BLOCK:
+    if not quantizes_embeddings(vocab):
         return False
     group = embedding_group(hidden)
 
@@ -334,7 +340,7 @@ def hook_int8_activations(hf_model: Any) -> int:
     # input in the embeddings' groups.
     embeddings = hf_model.get_input_embeddings().weight
     head = hf_model.get_output_embeddings()
-    if embeddings.shape[0] % cpu_quant.BLOCK == 0 and isinstance(head, nn.Linear):
+    if quantizes_embeddings(embeddings.shape[0]) and isinstance(head, nn.Linear):
         hidden = embeddings.shape[1]
         hook(head, embedding_group(hidden) or cpu_qdot.act_group(hidden))
     return count
@@ -346,7 +352,7 @@ def round_trip_hf_embeddings(hf_model: Any) -> bool:
     pre-quantized checkpoint's float tables become in the engine); False where they stay
     unquantized."""
     embeddings = hf_model.get_input_embeddings().weight
-    if embeddings.shape[0] % cpu_quant.BLOCK:
+    if not quantizes_embeddings(embeddings.shape[0]):
         return False  # kept unquantized (quantize_embeddings)
     group = embedding_group(embeddings.shape[1])
     weights = [embeddings]
