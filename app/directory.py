@@ -4,7 +4,7 @@ held in memory and refreshed from the database in the background.
 A request authenticates and resolves its model with dictionary lookups only, never a
 SQL query. Every replica polls for rows changed since it last looked, so a revocation,
 a disabled tenant or a new adapter version made on any replica reaches all of them
-within `refresh_interval_s` (plus the time of the query).
+within `refresh_interval_s` plus the time of one query: refreshes start at a fixed rate.
 """
 
 from __future__ import annotations
@@ -184,8 +184,13 @@ class Directory:
 
     async def _run(self) -> None:
         failing = False
+        # Fixed rate: a refresh starts every interval, not an interval after the last
+        # one ended, so a slow query does not push every later change back by its time.
+        # A refresh that overran its interval is followed at once, never twice at once.
+        next_start = time.monotonic()
         while True:
-            await asyncio.sleep(self.refresh_interval_s)
+            next_start = max(next_start + self.refresh_interval_s, time.monotonic())
+            await asyncio.sleep(next_start - time.monotonic())
             full = time.monotonic() - self._last_full_load >= FULL_RELOAD_INTERVAL_S
             try:
                 await asyncio.to_thread(self.load if full else self.refresh)

@@ -29,6 +29,11 @@ class PlanInputError(click.ClickException):
                    "its config.json is read.")
 @click.option("--dtype", default="bfloat16", show_default=True,
               type=click.Choice(["bfloat16", "float16", "float32"]))
+@click.option("--quantization", default="none", show_default=True,
+              type=click.Choice(["none", "int8", "int4", "fp8"]),
+              help="The workers' base model quantization: its decoder linear layers at the "
+                   "scheme's bytes in the memory model (fp8 needs compute capability 8.9+).")
+@engine_option("--quantization-group-size")
 @engine_option("--max-loras", help="Adapter slots on each worker's device.")
 @engine_option("--max-lora-rank")
 @engine_option("--max-num-seqs",
@@ -44,6 +49,8 @@ def plan(
     tenants_path: Path,
     model: str,
     dtype: str,
+    quantization: str,
+    quantization_group_size: int | None,
     max_loras: int,
     max_lora_rank: int,
     max_num_seqs: int,
@@ -76,7 +83,9 @@ def plan(
     from engine.models.loader import ModelLoadError
 
     try:
-        shape = WorkerShape(dtype=dtype, max_loras=max_loras, max_lora_rank=max_lora_rank,
+        shape = WorkerShape(dtype=dtype, quantization=quantization,
+                            quantization_group_size=quantization_group_size,
+                            max_loras=max_loras, max_lora_rank=max_lora_rank,
                             max_num_seqs=max_num_seqs,
                             max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
                             gpu_memory_utilization=gpu_memory_utilization)

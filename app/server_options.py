@@ -218,12 +218,13 @@ ENGINE_OPTIONS: dict[str, dict[str, Any]] = {
                          "on other CPUs."),
     "--quantization": dict(default="none", show_default=True, envvar="LORAPLEX_QUANTIZATION",
                            type=click.Choice(SCHEMES),
-                           help="Quantization of the base model (CPU): its decoder "
-                                "layers int8 per output channel or int4 in groups "
-                                "(weight-only), or w8a8 (int8 weights, and their inputs "
-                                "int8 in groups of 64 as each step runs: the fastest on "
-                                "CPUs with AVX-512 VNNI); its embeddings and output "
-                                "projection int8; adapters and the KV cache keep --dtype."),
+                           help="Quantization of the base model: its decoder layers int8 "
+                                "per output channel or int4 in groups (weight-only, CPU "
+                                "and CUDA); w8a8 (int8 weights, and their inputs int8 in "
+                                "groups of 64 as each step runs: the fastest on CPUs with "
+                                "AVX-512 VNNI; CPU only); fp8 (CUDA, compute capability "
+                                "8.9+). On the CPU the embeddings and output projection "
+                                "are int8 too; adapters and the KV cache keep --dtype."),
     "--quantization-group-size": dict(
         default=None, type=click.IntRange(min=2),
         help="Inputs per quantization group (default: per channel for int8, 32 for int4)."),

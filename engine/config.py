@@ -78,18 +78,16 @@ class QuantizationSpec:
             if device.type != "cuda":
                 raise ValueError(
                     "--quantization fp8 needs a CUDA GPU of compute capability 8.9 or newer "
-                    "(fp8 units); on this CPU use int8 or int4")
+                    "(fp8 units); on this CPU use w8a8, int8 or int4")
             major, minor = torch.cuda.get_device_capability(device)
             if (major, minor) < (8, 9):
                 raise ValueError(
                     f"--quantization fp8 needs compute capability 8.9 or newer; "
                     f"{torch.cuda.get_device_name(device)} has {major}.{minor}: use int8 "
                     "or int4")
-            raise ValueError("--quantization fp8 is not served in this version: use int8 "
-                             "or int4 (on the CPU)")
-        if self.enabled and device.type != "cpu":
-            raise ValueError(f"--quantization {self.scheme} runs on the CPU in this version; "
-                             f"{device} serves unquantized weights (--quantization none)")
+        if self.int8_activations and device.type != "cpu":
+            raise ValueError(f"--quantization w8a8 runs on the CPU; on {device} use fp8 "
+                             "(compute capability 8.9 or newer), int8 or int4")
 
     def describe(self) -> str:
         if not self.enabled:
@@ -97,6 +95,8 @@ class QuantizationSpec:
         group = self.group
         if self.int8_activations:
             return "w8a8 (int8 weights per channel, int8 activations in groups)"
+        if self.scheme == "fp8":
+            return "fp8 (e4m3 weights per channel, activations per row)"
         return f"{self.scheme} ({'per channel' if group is None else f'groups of {group}'})"
 
 

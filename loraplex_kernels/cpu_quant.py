@@ -140,9 +140,11 @@ def quantize_integers(weight: torch.Tensor, bits: int, group_size: int | None = 
         raise ValueError(f"group size {group} does not divide {k} input features")
     if bits not in BITS:
         raise ValueError(f"{bits}-bit weights are not served (8 or 4)")
-    q = torch.empty(n, k, dtype=torch.int8 if bits == 8 else torch.uint8)
-    scales = torch.empty(n, k // group)
-    offsets = None if bits == 8 else torch.empty(n, k // group)
+    # On the weight's device: a GPU quantizes a checkpoint's layers there.
+    device = weight.device
+    q = torch.empty(n, k, dtype=torch.int8 if bits == 8 else torch.uint8, device=device)
+    scales = torch.empty(n, k // group, device=device)
+    offsets = None if bits == 8 else torch.empty(n, k // group, device=device)
     for r0 in range(0, n, QUANTIZE_ROWS):
         r1 = min(n, r0 + QUANTIZE_ROWS)
         wg = weight[r0:r1].detach().float().reshape(r1 - r0, k // group, group)

@@ -348,7 +348,7 @@ class _Planner:
         slot, shape = a.slot, self.options.shape
         kv = self.memory.kv_cache_tokens(slot.memory_bytes, a.max_num_seqs)
         env, setup = self._device(slot)
-        args = (
+        args: tuple[str, ...] = (
             "--model", self.options.model,
             "--dtype", shape.dtype,
             "--max-loras", str(shape.max_loras),
@@ -358,6 +358,10 @@ class _Planner:
             "--block-size", str(shape.block_size),
             "--kv-cache-tokens", str(kv),
         )
+        if shape.quantization != "none":
+            args += ("--quantization", shape.quantization)
+        if shape.quantization_group_size is not None:
+            args += ("--quantization-group-size", str(shape.quantization_group_size))
         resource = f"nvidia.com/mig-{slot.profile}" if slot.profile else "nvidia.com/gpu"
         return Worker(
             node=slot.node,

@@ -235,6 +235,15 @@ def step_decode_cuda_graphs(ctx: Context) -> StepOutcome:
     return StepOutcome(results, not_applicable=not ctx.on_cuda)
 
 
+def step_quantized_decode(ctx: Context) -> StepOutcome:
+    """The quantized schemes' decode speed and weight bytes against the unquantized
+    engine (their correctness against HF: tests/gpu/test_engine_identity.py)."""
+    from bench.gpu.engine_throughput import check_quantized_decode
+
+    results = check_quantized_decode(ctx.plan.throughput, ctx.bench_model(), ctx.device)
+    return StepOutcome(results, not_applicable=not ctx.on_cuda)
+
+
 # The steps that time the Triton kernels (compiled on a GPU, interpreted on the CPU);
 # without triton, tests/gpu leaves out its kernel tests by itself (its conftest).
 TRITON_STEPS = frozenset({"kernel_bandwidth"})
@@ -248,6 +257,7 @@ STEPS: tuple[tuple[str, Callable[[Context], StepOutcome]], ...] = (
     ("kernel_bandwidth", step_kernel_bandwidth),
     ("engine_throughput", step_engine_throughput),
     ("decode_cuda_graphs", step_decode_cuda_graphs),
+    ("quantized_decode", step_quantized_decode),
 )
 
 

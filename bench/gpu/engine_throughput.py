@@ -5,6 +5,7 @@ the engine against HF static batches, multi-LoRA against PEFT's mixed batches
 
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 from collections.abc import Sequence
@@ -37,6 +38,7 @@ def make_core(
     max_lora_rank: int,
     kv_cache_tokens: int | None,
     data_dir: Path,
+    quantization: str = "none",
 ) -> EngineCore:
     """kv_cache_tokens None: the engine sizes its cache from the device (on CUDA a share of
     the memory free after loading the weights, see engine/core/model_runner.py)."""
@@ -51,6 +53,7 @@ def make_core(
             max_cpu_loras=max(max_loras, 1),
             max_lora_rank=max_lora_rank,
             data_dir=data_dir,
+            quantization=quantization,
         )
     )
 
@@ -300,36 +303,120 @@ def check_throughput(plan: ThroughputPlan, bench: BenchModel) -> dict[str, Any]:
     return results
 
 
+def time_decode_steps(core: EngineCore, plan: ThroughputPlan, n: int, label: str,
+                      models: Sequence[str | None] = (None,)) -> dict[str, Any]:
+    """Eager decode step times with `n` sequences (request i on models[i % len(models)]),
+    after their prefills; the requests are aborted after the timed steps."""
+    prompt_len = (plan.decode_prompt_len, plan.decode_prompt_len)
+    # Far more tokens than are timed: no sequence finishes inside the timed steps (the
+    # first ones decode while the last prefills run); the rest is aborted.
+    output_len = (plan.decode_timed_steps + 256, plan.decode_timed_steps + 256)
+    reqs = _workload(n, plan.shape.vocab_size, prompt_len, output_len, 7 + n, models)
+    requests = engine_requests(reqs, label, ignore_eos=True)
+    for request in requests:
+        core.add_request(request)
+    started: set[str] = set()
+    while len(started) < n:  # prefills (and the first decodes they allow)
+        started.update(out.request_id for out in core.step().outputs)
+    times: list[float] = []
+    for _ in range(plan.decode_timed_steps):
+        start = time.perf_counter()
+        outs = core.step().outputs
+        times.append(time.perf_counter() - start)
+        assert len(outs) == n, f"a decode step ran {len(outs)} of {n} sequences"
+    for request in requests:
+        core.abort_request(request.request_id)
+    assert not core.has_unfinished_requests()
+    median = statistics.median(times)
+    return {
+        "sequences": n,
+        "eager_step_ms_median": round(median * 1000, 3),
+        "eager_step_ms_min": round(min(times) * 1000, 3),
+        "decode_tok_s": round(n / median, 1),
+    }
+
+
 def check_decode_steps(plan: ThroughputPlan, bench: BenchModel) -> dict[str, Any]:
     """Decode-only step time at each batch size. The engine has no CUDA graph capture,
     so only eager steps are timed."""
-    core, vocab = bench.core, plan.shape.vocab_size
     rows: dict[str, Any] = {}
     for n in plan.decode_batch_sizes:
-        prompt_len = (plan.decode_prompt_len, plan.decode_prompt_len)
-        # Far more tokens than are timed: no sequence finishes inside the timed steps (the
-        # first ones decode while the last prefills run); the rest is aborted.
-        output_len = (plan.decode_timed_steps + 256, plan.decode_timed_steps + 256)
-        reqs = _workload(n, vocab, prompt_len, output_len, 7 + n)
-        requests = engine_requests(reqs, f"decode{n}", ignore_eos=True)
-        for request in requests:
-            core.add_request(request)
-        started: set[str] = set()
-        while len(started) < n:  # prefills (and the first decodes they allow)
-            started.update(out.request_id for out in core.step().outputs)
-        times: list[float] = []
-        for _ in range(plan.decode_timed_steps):
-            start = time.perf_counter()
-            outs = core.step().outputs
-            times.append(time.perf_counter() - start)
-            assert len(outs) == n, f"a decode step ran {len(outs)} of {n} sequences"
-        for request in requests:
-            core.abort_request(request.request_id)
-        assert not core.has_unfinished_requests()
-        rows[str(n)] = {
-            "sequences": n,
-            "eager_step_ms_median": round(statistics.median(times) * 1000, 3),
-            "eager_step_ms_min": round(min(times) * 1000, 3),
-            "cuda_graphs_step_ms": None,
-        }
+        rows[str(n)] = {**time_decode_steps(bench.core, plan, n, f"decode{n}"),
+                        "cuda_graphs_step_ms": None}
     return {"cuda_graphs": "not implemented", "decode": rows, "model": plan.shape.name}
+
+
+def quantized_schemes(device: torch.device) -> list[str]:
+    """The schemes a device serves: int8 and int4, and fp8 from compute capability 8.9."""
+    schemes = ["int8", "int4"]
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9):
+        schemes.append("fp8")
+    return schemes
+
+
+def check_quantized_decode(plan: ThroughputPlan, bench: BenchModel,
+                           device: torch.device) -> dict[str, Any]:
+    """Each quantized scheme against the unquantized engine on the same weights: load
+    time, weight bytes, decode step time at each batch size on the base model and with
+    every row on one of `overhead_adapters` adapters, and how many of 4 greedy
+    continuations of 16 tokens equal the unquantized engine's."""
+    names = list(bench.adapters)[: plan.overhead_adapters]
+    sizes = plan.decode_batch_sizes
+
+    def decode(core: EngineCore, label: str) -> dict[str, Any]:
+        return {
+            "base": {str(n): time_decode_steps(core, plan, n, f"{label}-b{n}") for n in sizes},
+            "adapters": {str(n): time_decode_steps(core, plan, n, f"{label}-a{n}", names)
+                         for n in sizes},
+        }
+
+    probe = _workload(4, plan.shape.vocab_size, (16, 32), (16, 16), 4242, [None, names[0]])
+
+    def greedy(core: EngineCore, label: str) -> list[list[int]]:
+        return list(run_engine(core, engine_requests(probe, label, ignore_eos=True))
+                    .tokens.values())
+
+    reference_tokens = greedy(bench.core, "q-ref")
+    results: dict[str, Any] = {
+        _dtype_name(plan.dtype): {"weight_bytes": bench.core.runner.weight_bytes,
+                                  "decode": decode(bench.core, "unquantized")},
+    }
+    schemes = quantized_schemes(device)
+    for scheme in schemes:
+        start = time.perf_counter()
+        core = make_core(bench.model_dir, device, plan.dtype,
+                         max_num_seqs=max(sizes), max_loras=len(names),
+                         max_lora_rank=plan.lora_rank,
+                         kv_cache_tokens=max(sizes) * (plan.decode_prompt_len
+                                                       + plan.decode_timed_steps + 288),
+                         data_dir=bench.model_dir.parent, quantization=scheme)
+        load_s = time.perf_counter() - start
+        try:
+            for name in names:
+                core.add_adapter(name, bench.adapters[name])
+            tokens = greedy(core, f"q-{scheme}")
+            results[scheme] = {
+                "load_s": round(load_s, 2),
+                "weight_bytes": core.runner.weight_bytes,
+                "greedy_equal_of_4": sum(a == b for a, b in zip(tokens, reference_tokens,
+                                                                strict=True)),
+                "decode": decode(core, scheme),
+            }
+        finally:
+            close_core(core)
+            del core
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        print(f"quantized {scheme}: {results[scheme]}", flush=True)
+    base = results[_dtype_name(plan.dtype)]
+    for scheme in schemes:
+        r = results[scheme]
+        r["weight_bytes_vs_unquantized"] = round(r["weight_bytes"] / base["weight_bytes"], 3)
+        r["decode_tok_s_vs_unquantized"] = {
+            mix: {n: round(r["decode"][mix][n]["decode_tok_s"]
+                           / base["decode"][mix][n]["decode_tok_s"], 3) for n in r["decode"][mix]}
+            for mix in ("base", "adapters")
+        }
+    return {"model": plan.shape.name, "dtype": _dtype_name(plan.dtype), "schemes": schemes,
+            **results}

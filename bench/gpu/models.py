@@ -244,9 +244,11 @@ GPU_PLAN = Plan()
 DRY_RUN_PLAN = Plan(
     dry_run=True,
     # Two of the Triton kernel tests (all of them take ~10-20 s in the interpreter here),
-    # the kernels at the plan's shapes and the engine against HF.
+    # the kernels at the plan's shapes and the engine against HF, the quantized kernel at
+    # the plan's shapes and the quantized engines against HF.
     test_select=("strided_activation_views or slot_without_any_adapted_slice "
-                 "or serving_shapes or engine_matches_hf"),
+                 "or serving_shapes or engine_matches_hf or quant_kernel_at_model_shapes "
+                 "or quantized_engine_greedy"),
     tests_timeout_s=180.0,
     kernel_dims=(32, 48, 32, 16),
     accuracy_batches=(

@@ -1,7 +1,9 @@
 """How much device memory one engine worker needs, and how many KV tokens a slice leaves.
 
 A worker holds, for its whole life:
-- the base weights in the serving dtype (parameters counted from config.json);
+- the base weights in the serving dtype (parameters counted from config.json), or with
+  `--quantization` its decoder linear layers at the scheme's bytes (quantized_linear_bytes:
+  the layouts of loraplex_kernels/device_quant.py) and the rest in the serving dtype;
 - `max_loras` adapter slots at `max_lora_rank` on every module the architecture lets an
   adapter target, in the serving dtype (the stacked buffers `LoRAGroup` allocates on CUDA);
 - a CUDA context reserve (driver context, cuBLAS workspaces, allocator slack);
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.config import DEFAULT_INT4_GROUP_SIZE, QuantizationSpec
 from engine.models.loader import ModelConfig
 from engine.models.registry import model_class_for
 
@@ -31,6 +34,8 @@ CUDA_CONTEXT_BYTES = 1 * GIB
 ACTIVATION_SAFETY_FACTOR = 2
 # The sampler holds float32 logits, probabilities and a sorted copy for top-p per sequence.
 _LOGIT_COPIES = 3
+# What a GPU worker serves of engine.config.SCHEMES (w8a8 runs on the CPU).
+GPU_SCHEMES = ("none", "int8", "int4", "fp8")
 # vLLM's default and meaning: the share of the device's total memory the worker may use.
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 
@@ -135,6 +140,42 @@ def adapter_slot_bytes(cfg: ModelConfig, max_loras: int, max_rank: int, dtype: s
     return max_loras * max_rank * per_layer * cfg.num_layers * dtype_bytes(dtype)
 
 
+def quantized_linear_bytes(in_features: int, out_features: int, scheme: str,
+                           group_size: int | None = None) -> int:
+    """Bytes of one linear weight as a GPU worker holds it under `scheme`
+    (device_quant.py): the integers (fp8 values), and float32 scales (int4: and offsets)
+    per output channel and group; group_size as --quantization-group-size (None: per
+    channel for int8 and fp8, DEFAULT_INT4_GROUP_SIZE for int4)."""
+    weights = in_features * out_features
+    group = group_size or (DEFAULT_INT4_GROUP_SIZE if scheme == "int4" else in_features)
+    if in_features % group:
+        raise ValueError(f"--quantization {scheme}: group size {group} does not divide "
+                         f"{in_features} input features")
+    if scheme == "fp8":
+        return weights + 4 * out_features
+    if scheme == "int8":
+        return weights + 4 * out_features * (in_features // group)
+    if scheme == "int4":
+        return weights // 2 + 8 * out_features * (in_features // group)
+    raise ValueError(f"a GPU worker does not serve --quantization {scheme} "
+                     f"({', '.join(GPU_SCHEMES)})")
+
+
+def base_weight_bytes(cfg: ModelConfig, dtype: str, quantization: str = "none",
+                      group_size: int | None = None) -> int:
+    """The base model's weights on a GPU worker: every parameter in `dtype`, or with a
+    quantization the decoder linear layers at its bytes and the rest (embeddings, output
+    projection, norms) in `dtype`."""
+    total = count_parameters(cfg) * dtype_bytes(dtype)
+    if quantization == "none":
+        return total
+    shapes = model_class_for(cfg).linear_shapes(cfg).values()
+    dense = sum(fin * fout for fin, fout in shapes) * dtype_bytes(dtype)
+    quantized = sum(quantized_linear_bytes(fin, fout, quantization, group_size)
+                    for fin, fout in shapes)
+    return total - cfg.num_layers * (dense - quantized)
+
+
 @dataclass(frozen=True, slots=True)
 class WorkerShape:
     """The engine settings that size a worker's memory (see engine.config.EngineConfig)."""
@@ -146,9 +187,15 @@ class WorkerShape:
     max_num_batched_tokens: int = 2048
     block_size: int = 16
     gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
+    quantization: str = "none"  # one of GPU_SCHEMES
+    quantization_group_size: int | None = None
 
     def __post_init__(self) -> None:
         dtype_bytes(self.dtype)
+        if self.quantization not in GPU_SCHEMES:
+            raise ValueError(f"a GPU worker does not serve --quantization {self.quantization} "
+                             f"({', '.join(GPU_SCHEMES)})")
+        QuantizationSpec(self.quantization, self.quantization_group_size)  # the group size
         check_gpu_memory_utilization(self.gpu_memory_utilization)
         for name in ("max_loras", "max_lora_rank", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
@@ -225,7 +272,8 @@ class MemoryModel:
         self.cfg = cfg
         self.shape = shape
         self.num_parameters = count_parameters(cfg)
-        self.weights = self.num_parameters * dtype_bytes(shape.dtype)
+        self.weights = base_weight_bytes(cfg, shape.dtype, shape.quantization,
+                                         shape.quantization_group_size)
         self.adapters = adapter_slot_bytes(cfg, shape.max_loras, shape.max_lora_rank, shape.dtype)
         self.kv_bytes_per_token = kv_bytes_per_token(cfg, shape.dtype)
 

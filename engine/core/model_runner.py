@@ -249,12 +249,15 @@ class ModelRunner:
         model.eval()
         if self.quantization.enabled:
             # Decoder linears the checkpoint left in float get the same scheme.
-            num_quantized += quantize_linears(model.layers, self.quantization)
-            tables = ("the embeddings and the output projection to int8"
-                      if quantize_embeddings(model, self.dtype,
-                                             self.quantization.int8_activations) else
-                      f"the embeddings and the output projection kept in {self.dtype} (a "
-                      f"vocabulary of {self.model_config.vocab_size}, not a multiple of 16)")
+            num_quantized += quantize_linears(model.layers, self.quantization, self.device)
+            if quantize_embeddings(model, self.dtype, self.quantization.int8_activations):
+                tables = "the embeddings and the output projection to int8"
+            elif self.device.type != "cpu":
+                tables = f"the embeddings and the output projection kept in {self.dtype}"
+            else:
+                tables = (f"the embeddings and the output projection kept in {self.dtype} (a "
+                          f"vocabulary of {self.model_config.vocab_size}, not a multiple of "
+                          "16)")
             if self.checkpoint_scheme is not None:
                 source = (f"loaded {num_quantized} linear layers as stored "
                           f"({self.checkpoint_scheme.describe()})")

@@ -204,7 +204,8 @@ class CausalLM(nn.Module):
             parts = sorted(quantized.pop(key), key=lambda part: part[0])
             try:
                 stacked = QuantizedRows.cat([p for _, p in parts])
-                qw = stacked.pack(quantize is not None and quantize.int8_activations)
+                qw = stacked.pack(quantize is not None and quantize.int8_activations,
+                                  self.device)
             except ValueError as exc:
                 raise ModelLoadError(f"layer {label}: {exc}") from None
             setattr(parent, attr, QuantLinear(qw, module.bias, stacked.input_order))
@@ -227,7 +228,8 @@ class CausalLM(nn.Module):
                 is_linear = id(param) in linears and dest.dim() == 2
                 if isinstance(tensor, torch.Tensor) and is_linear and quantize is not None:
                     try:
-                        tensor = quantize_rows(tensor, quantize)
+                        # On a GPU the layer is quantized there, not on the host.
+                        tensor = quantize_rows(tensor.to(self.device), quantize)
                     except ValueError as exc:
                         raise ModelLoadError(f"--quantization {quantize.scheme}: {name} "
                                              f"{list(tensor.shape)}: {exc}") from None

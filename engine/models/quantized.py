@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from engine.config import QuantizationSpec
-from loraplex_kernels import cpu_qdot, cpu_quant
+from loraplex_kernels import cpu_qdot, cpu_quant, device_quant
 
 # The embeddings and the output projection under any scheme: int8 in groups of 32 inputs
 # (GGUF's Q8_0 grid, which the bundled SmolLM2's embeddings ship in), per row where the
@@ -102,10 +102,20 @@ class QuantizedRows:
                              torch.cat([p.scales for p in parts]), offsets,
                              first.bits, first.group, first.input_order)
 
-    def pack(self, int8_activations: bool = False
-             ) -> cpu_quant.QuantizedWeight | cpu_qdot.QDotWeight:
-        """The kernel's layout: cpu_quant's, or with `int8_activations` cpu_qdot's (which
-        takes symmetric int8 per output channel only)."""
+    def pack(self, int8_activations: bool = False, device: torch.device | str = "cpu"
+             ) -> QuantizedWeights:
+        """The layout of `device`'s kernels: on the CPU cpu_quant's, or with
+        `int8_activations` cpu_qdot's (which takes symmetric int8 per output channel only);
+        on CUDA device_quant's (fp8 rows: an Fp8Weight)."""
+        if torch.device(device).type != "cpu":
+            if int8_activations:
+                raise ValueError("w8a8 runs on the CPU; on a GPU use fp8, int8 or int4")
+            if self.q.dtype == device_quant.FP8_DTYPE:
+                return device_quant.pack_fp8(self.q, self.scales, device)
+            return device_quant.pack(self.q, self.scales, self.offsets, self.bits, self.group,
+                                     device)
+        if self.q.dtype == device_quant.FP8_DTYPE:
+            raise ValueError("fp8 weights run on CUDA GPUs of compute capability 8.9 or newer")
         if int8_activations:
             k = self.shape[1]
             if self.bits != 8 or self.group != k or self.offsets is not None \
@@ -117,9 +127,18 @@ class QuantizedRows:
 
 
 def quantize_rows(weight: torch.Tensor, spec: QuantizationSpec) -> QuantizedRows:
-    """A float weight [N, K] quantized under `spec` (cpu_quant.quantize_integers)."""
+    """A float weight [N, K] quantized under `spec` (cpu_quant.quantize_integers; fp8:
+    device_quant.quantize_fp8, its scales as one group per row)."""
+    if spec.scheme == "fp8":
+        q, scales = device_quant.quantize_fp8(weight)
+        return QuantizedRows(q, scales[:, None], None, 8, weight.shape[1])
     q, scales, offsets, group = cpu_quant.quantize_integers(weight, spec.bits, spec.group)
     return QuantizedRows(q, scales, offsets, spec.bits, group)
+
+
+# Every layout a QuantLinear holds: the CPU's two, CUDA's two.
+QuantizedWeights = (cpu_quant.QuantizedWeight | cpu_qdot.QDotWeight
+                    | device_quant.DeviceQuantizedWeight | device_quant.Fp8Weight)
 
 
 class QuantLinear(nn.Module):
@@ -127,13 +146,13 @@ class QuantLinear(nn.Module):
     cpu_qdot.QDotWeight (w8a8: x quantized to int8 too). x [T, IN] -> [T, OUT] in x's
     dtype."""
 
-    def __init__(self, weight: cpu_quant.QuantizedWeight | cpu_qdot.QDotWeight,
-                 bias: torch.Tensor | None,
+    def __init__(self, weight: QuantizedWeights, bias: torch.Tensor | None,
                  input_order: torch.Tensor | None = None) -> None:
         super().__init__()
         self.quantized = weight
         self.in_features, self.out_features = weight.in_features, weight.out_features
-        self.bias_f32 = None if bias is None else bias.detach().float().contiguous()
+        device = weight.scales.device
+        self.bias_f32 = None if bias is None else bias.detach().float().to(device).contiguous()
         # Act-order weights: x's columns gathered into the stored order first.
         self.input_order = None if input_order is None else input_order.long().contiguous()
 
@@ -146,6 +165,10 @@ class QuantLinear(nn.Module):
             return y.reshape(*x.shape[:-1], self.out_features)
         if self.input_order is not None:
             x = x.index_select(-1, self.input_order)
+        if isinstance(self.quantized, device_quant.DeviceQuantizedWeight | device_quant.Fp8Weight):
+            flat = x.reshape(-1, self.in_features)
+            y = device_quant.linear(flat, self.quantized, self.bias_f32)
+            return y.reshape(*x.shape[:-1], self.out_features)
         if x.dim() == 2 and x.shape[0] <= DENSE_ROWS:
             return cpu_quant.linear(x, self.quantized, self.bias_f32)
         w = cpu_quant.dequantize(self.quantized)
@@ -162,8 +185,12 @@ class QuantLinear(nn.Module):
 
     def extra_repr(self) -> str:
         q = self.quantized
-        kind = (f"w8a8, activations in groups of {q.act_group}"
-                if isinstance(q, cpu_qdot.QDotWeight) else f"int{q.bits}, group {q.group_size}")
+        if isinstance(q, cpu_qdot.QDotWeight):
+            kind = f"w8a8, activations in groups of {q.act_group}"
+        elif isinstance(q, device_quant.Fp8Weight):
+            kind = "fp8 per channel, activations per row"
+        else:
+            kind = f"int{q.bits}, group {q.group_size}"
         return f"in_features={self.in_features}, out_features={self.out_features}, {kind}"
 
 
@@ -176,23 +203,29 @@ def bf16_dense_is_fast() -> bool:
     return auto_cpu_dtype() == torch.bfloat16
 
 
-def quantize_linears(module: nn.Module, spec: QuantizationSpec) -> int:
-    """Replace every `nn.Linear` below `module` by a QuantLinear of `spec`; returns how
-    many. Raises ValueError (one line) for a layer whose shape the scheme cannot hold."""
+def quantize_linears(module: nn.Module, spec: QuantizationSpec,
+                     device: torch.device | str = "cpu") -> int:
+    """Replace every `nn.Linear` below `module` by a QuantLinear of `spec` in `device`'s
+    layout; returns how many. Raises ValueError (one line) for a layer whose shape the
+    scheme cannot hold."""
     count = 0
     for name, child in list(module.named_children()):
         if isinstance(child, nn.Linear):
             out_features, in_features = child.weight.shape
             try:
-                qw = (cpu_qdot.quantize(child.weight) if spec.int8_activations else
-                      cpu_quant.quantize(child.weight, spec.bits, spec.group))
+                if torch.device(device).type == "cpu" and spec.int8_activations:
+                    qw: QuantizedWeights = cpu_qdot.quantize(child.weight)
+                elif torch.device(device).type == "cpu":
+                    qw = cpu_quant.quantize(child.weight, spec.bits, spec.group)
+                else:
+                    qw = quantize_rows(child.weight, spec).pack(spec.int8_activations, device)
             except ValueError as exc:
                 raise ValueError(f"--quantization {spec.scheme}: layer {name} "
                                  f"[{out_features}, {in_features}]: {exc}") from None
             setattr(module, name, QuantLinear(qw, child.bias))
             count += 1
         else:
-            count += quantize_linears(child, spec)
+            count += quantize_linears(child, spec, device)
     return count
 
 
@@ -246,10 +279,11 @@ def quantize_embeddings(model: nn.Module, dtype: torch.dtype,
     is quantized in the same groups and multiplied as integers (at 32 rows 2x the
     weight-only kernel's speed; the bundled model's perplexity unchanged: docs/BENCHMARKS.md,
     "w8a8"). False (both kept in `dtype`) where the vocabulary is not a multiple of the
-    kernels' 16-row blocks."""
+    kernels' 16-row blocks, and on a GPU (a lookup and a dense matmul there; not measured
+    quantized yet)."""
     table = cast(nn.Embedding, model.embed_tokens).weight
     vocab, hidden = table.shape
-    if not quantizes_embeddings(vocab):
+    if not quantizes_embeddings(vocab) or table.device.type != "cpu":
         return False
     group = embedding_group(hidden)
 
@@ -297,26 +331,55 @@ HF_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "d
 
 
 @torch.no_grad()
-def round_trip_hf_linears(hf_model: Any, spec: QuantizationSpec) -> int:
-    """Replace each decoder linear weight of a Hugging Face model, its embeddings and its
-    output projection by the values their quantization under `spec` stands for
+def round_trip_hf_linears(hf_model: Any, spec: QuantizationSpec, embeddings: bool = True
+                          ) -> int:
+    """Replace each decoder linear weight of a Hugging Face model, and with `embeddings`
+    its embeddings and output projection (as the CPU engine quantizes them; a GPU keeps
+    them), by the values their quantization under `spec` stands for
     (dequantize(quantize(w))), in place; returns how many decoder linears. Quantization is
     per output row, so these are exactly the rows the engine's fused, rope-permuted layers
-    hold: the oracle of the quantized engine and of its quality. w8a8: the layers also
-    get hook_int8_activations' hooks (which a saved checkpoint does not keep)."""
+    hold: the oracle of the quantized engine and of its quality. w8a8 and fp8: the layers
+    also get hooks that quantize their inputs as the engine does (hook_int8_activations,
+    hook_fp8_activations; a saved checkpoint does not keep them)."""
     count = 0
-
-    def round_trip(weight: torch.Tensor, bits: int, group: int | None) -> None:
-        qw = cpu_quant.quantize(weight, bits, group)
-        weight.copy_(cpu_quant.dequantize(qw).to(weight.dtype))
-
     for name, module in hf_model.named_modules():
         if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in HF_LINEARS:
-            round_trip(module.weight, spec.bits, spec.group)
+            weight = module.weight
+            weight.copy_(dequantized(quantize_rows(weight, spec)).to(weight.dtype))
             count += 1
     if spec.int8_activations:
         hook_int8_activations(hf_model)
-    round_trip_hf_embeddings(hf_model)
+    if spec.scheme == "fp8":
+        hook_fp8_activations(hf_model)
+    if embeddings:
+        round_trip_hf_embeddings(hf_model)
+    return count
+
+
+def dequantized(rows: QuantizedRows) -> torch.Tensor:
+    """The float32 weight [N, K] quantized rows stand for, on their device, as that
+    device's dense path dequantizes them (the CPU's C loop fuses q * scale + offset into
+    one multiply-add where torch rounds twice)."""
+    if rows.q.dtype == device_quant.FP8_DTYPE:
+        return rows.q.float() * rows.scales
+    if rows.q.device.type == "cpu":
+        return cpu_quant.dequantize(cpu_quant.pack(rows.q, rows.scales, rows.offsets,
+                                                   rows.bits, rows.group))
+    qw = device_quant.pack(rows.q, rows.scales, rows.offsets, rows.bits, rows.group,
+                           rows.q.device)
+    return device_quant.dequantize(qw)
+
+
+def hook_fp8_activations(hf_model: Any) -> int:
+    """Give each decoder linear of a Hugging Face model a forward pre-hook that feeds it
+    the values its input quantized to fp8 per row stands for
+    (device_quant.fake_quantize_fp8); returns how many."""
+    count = 0
+    for name, module in hf_model.named_modules():
+        if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in HF_LINEARS:
+            module.register_forward_pre_hook(
+                lambda _module, args: (device_quant.fake_quantize_fp8(args[0]), *args[1:]))
+            count += 1
     return count
 
 
@@ -360,6 +423,7 @@ def round_trip_hf_embeddings(hf_model: Any) -> bool:
     if head is not None and head.data_ptr() != embeddings.data_ptr():
         weights.append(head)
     for weight in weights:
-        qw = cpu_quant.quantize(weight, EMBEDDING_BITS, group)
-        weight.copy_(cpu_quant.dequantize(qw).to(weight.dtype))
+        q, scales, _, g = cpu_quant.quantize_integers(weight, EMBEDDING_BITS, group)
+        rows = QuantizedRows(q, scales, None, EMBEDDING_BITS, g)
+        weight.copy_(dequantized(rows).to(weight.dtype))
     return True

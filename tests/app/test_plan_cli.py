@@ -63,6 +63,35 @@ def test_flags_reach_the_workers() -> None:
     assert first["args"][-1] == str(first["kv_cache_tokens"])
 
 
+def test_a_quantized_base_fits_where_bf16_does_not() -> None:
+    llama3 = str(FIXTURES / "models" / "llama-3-8b")
+
+    def planned(*extra: str) -> dict:
+        code, out = run("--topology", str(FIXTURES / "a100_80gb_7x1g.yaml"),
+                        "--tenants", str(FIXTURES / "tenants_mixed.yaml"), "--model", llama3,
+                        "--max-loras", "2", "--max-lora-rank", "16", *extra)
+        assert code == 0, out
+        return json.loads(out)
+
+    # Llama-3-8B in bf16 (14.96 GiB of weights) fits no 10 GB MIG slice...
+    plain = planned()
+    assert plain["workers"] == [] and "weights 14.96" in plain["unplaced"][0]["reason"]
+    # ...int4 in groups of 128 (4.5 bits a decoder weight, the rest bf16) does.
+    int4 = planned("--quantization", "int4", "--quantization-group-size", "128")["workers"]
+    assert int4
+    first = int4[0]
+    assert first["memory"]["weights_gb"] == pytest.approx(5.61, abs=0.01)
+    assert first["args"][-4:] == ["--quantization", "int4", "--quantization-group-size", "128"]
+    assert first["memory"]["total_gb"] <= first["memory_gb"] * 0.9
+    # fp8 (8.46 GiB) still does not.
+    fp8 = planned("--quantization", "fp8")
+    assert fp8["workers"] == [] and "weights 8.46" in fp8["unplaced"][0]["reason"]
+    code, out = run("--topology", str(FIXTURES / "a100_80gb_7x1g.yaml"),
+                    "--tenants", str(FIXTURES / "tenants_mixed.yaml"), "--model", llama3,
+                    "--quantization", "w8a8")
+    assert code == 2 and "'w8a8' is not one of" in out
+
+
 def test_table_format() -> None:
     code, out = run("--topology", str(FIXTURES / "issue_example.yaml"),
                     "--tenants", str(FIXTURES / "tenants_example.yaml"),

@@ -16,7 +16,7 @@ from bench.gpu.check import LOG_NAME, NOT_APPLICABLE_CPU, OK, REPORT_NAME, STEPS
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # The steps whose figure needs a GPU: they run what they can and say so.
-CPU_NOT_APPLICABLE = {"kernel_bandwidth", "decode_cuda_graphs"}
+CPU_NOT_APPLICABLE = {"kernel_bandwidth", "decode_cuda_graphs", "quantized_decode"}
 STEP_FIELDS: dict[str, set[str]] = {
     "gpu_tests": {"compiled", "passed", "failed", "skipped", "summary", "tests"},
     "kernel_bandwidth": {"timer", "copy_bytes_per_s", "aim_fraction", "best_fraction", "cases"},
@@ -28,7 +28,10 @@ STEP_FIELDS: dict[str, set[str]] = {
         "setup_s",
     },
     "decode_cuda_graphs": {"cuda_graphs", "decode"},
+    "quantized_decode": {"model", "dtype", "schemes", "float32", "int8", "int4"},
 }
+QUANTIZED_FIGURES = {"load_s", "weight_bytes", "greedy_equal_of_4", "decode",
+                     "weight_bytes_vs_unquantized", "decode_tok_s_vs_unquantized"}
 IDENTITY_FIGURES = {
     "requests",
     "adapter_requests",
@@ -80,7 +83,8 @@ def test_steps_report_their_fields(report: dict[str, Any]) -> None:
     tests = steps["gpu_tests"]
     assert tests["compiled"] is False and tests["failed"] == tests["skipped"] == 0
     # The two selected kernel tests (parametrized), both dtypes of the serving shapes,
-    # the engine against HF: each passed, with its figures.
+    # the engine against HF, the quantized kernel and engines: each passed, with its
+    # figures.
     assert tests["passed"] == len(tests["tests"]) >= 5
     assert {t["outcome"] for t in tests["tests"].values()} == {"passed"}
     accuracy = {name: t for name, t in tests["tests"].items() if "serving_shapes" in name}
@@ -118,6 +122,24 @@ def test_steps_report_their_fields(report: dict[str, Any]) -> None:
     decode = steps["decode_cuda_graphs"]
     assert decode["cuda_graphs"] == "not implemented"
     assert all(row["eager_step_ms_median"] > 0 for row in decode["decode"].values())
+
+    # The quantized engines (the CPU's kernels here): each against HF on its dequantized
+    # weights, and timed beside the unquantized one.
+    quantized = [t for name, t in tests["tests"].items() if "quantized_engine_greedy" in name]
+    assert len(quantized) == 2  # int8, int4 (fp8 needs a GPU of compute capability 8.9)
+    for figures in quantized:
+        assert figures["identical"] == figures["requests"] > 0 and figures["weight_bytes"] > 0
+    (kernel,) = [t for name, t in tests["tests"].items() if "quant_kernel_at_model" in name]
+    errors = [v for k, v in kernel.items() if k.endswith("max_abs_err")]
+    assert len(errors) == 4 * 3 * 3 and all(0 <= e < 0.1 for e in errors)
+    q = steps["quantized_decode"]
+    assert q["schemes"] == ["int8", "int4"]
+    for scheme in q["schemes"]:
+        assert set(q[scheme]) >= QUANTIZED_FIGURES
+        assert 0 < q[scheme]["weight_bytes_vs_unquantized"] < 1
+        assert 0 <= q[scheme]["greedy_equal_of_4"] <= 4
+        for mix in ("base", "adapters"):
+            assert all(row["decode_tok_s"] > 0 for row in q[scheme]["decode"][mix].values())
 
 
 def test_without_triton_the_kernel_steps_are_not_applicable(tmp_path: Path) -> None:

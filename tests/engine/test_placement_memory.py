@@ -14,12 +14,14 @@ from engine.core.memory import (
     MemoryModel,
     WorkerShape,
     adapter_slot_bytes,
+    base_weight_bytes,
     count_parameters,
     kv_bytes_per_token,
 )
 from engine.lora.layers import LoRAGroup
 from engine.models.attention import allocate_kv_cache
 from engine.models.loader import load_model_config, parse_model_config
+from engine.models.registry import model_class_for
 from tests.utils.tiny_models import BASE_SETTINGS, VARIANTS
 
 MODELS = Path(__file__).parents[1] / "fixtures" / "placement" / "models"
@@ -163,3 +165,61 @@ def test_breakdown_parts() -> None:
 def test_worker_shape_refuses_bad_settings(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         WorkerShape(**kwargs)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize(("scheme", "group"), [("int8", None), ("int8", 32), ("int4", None),
+                                               ("int4", 64), ("fp8", None)])
+def test_quantized_weights_match_the_gpu_layouts(variant: str, scheme: str,
+                                                 group: int | None) -> None:
+    """base_weight_bytes against the layouts a GPU worker quantizes into (device_quant.py;
+    the meta device stands in for the GPU: only the sizes are read)."""
+    from engine.config import QuantizationSpec
+    from engine.models.quantized import QuantLinear, quantize_linears
+
+    model_type, overrides = VARIANTS[variant]
+    settings = {**BASE_SETTINGS, **overrides, "vocab_size": 512}
+    hf_config = AutoConfig.for_model(model_type, **settings)
+    hf_model = AutoModelForCausalLM.from_config(hf_config)
+    cfg = parse_model_config(hf_config.to_dict())
+    dense = base_weight_bytes(cfg, "bfloat16")
+    assert dense == count_parameters(cfg) * 2
+    spec = QuantizationSpec(scheme, group)
+    if group is not None and any(fin % group for fin, _ in
+                                 model_class_for(cfg).linear_shapes(cfg).values()):
+        # A group that does not divide a layer's inputs: refused by both, in one line.
+        with pytest.raises(ValueError, match=f"group size {group} does not divide"):
+            base_weight_bytes(cfg, "bfloat16", scheme, group)
+        with pytest.raises(ValueError, match=f"group size {group} does not divide"):
+            quantize_linears(hf_model.model.layers, spec, "meta")
+        return
+    quantize_linears(hf_model.model.layers, spec, "meta")
+    held = sum(p.numel() * 2 for p in hf_model.parameters())  # tied tables once
+    for module in hf_model.modules():
+        if isinstance(module, QuantLinear):
+            held += module.quantized.nbytes
+            held += 0 if module.bias_f32 is None else module.bias_f32.numel() * 2
+    want = base_weight_bytes(cfg, "bfloat16", scheme, group)
+    assert want == held < dense
+
+
+def test_plan_memory_follows_the_quantization() -> None:
+    llama3 = load_model_config(MODELS / "llama-3-8b")
+    bf16 = MemoryModel(llama3, WorkerShape())
+    int4 = MemoryModel(llama3, WorkerShape(quantization="int4"))
+    fp8 = MemoryModel(llama3, WorkerShape(quantization="fp8"))
+    # Llama-3-8B: 6.98B decoder linear parameters of 8.03B; int4 in groups of 32 holds
+    # 4 + 2 x 32 / 32 bits a weight (float32 scales and offsets), the 1.05B embedding and
+    # output parameters in bf16.
+    assert bf16.weights == 8_030_261_248 * 2
+    assert abs(int4.weights / GIB - 6.83) < 0.01
+    assert abs(fp8.weights / GIB - 8.46) < 0.01
+    # The bytes saved go to the KV cache on the same device.
+    device = 24 * GIB
+    assert int4.kv_cache_tokens(device) > fp8.kv_cache_tokens(device) > bf16.kv_cache_tokens(
+        device) > 0
+    for shape, message in ((dict(quantization="w8a8"), "does not serve --quantization w8a8"),
+                           (dict(quantization="int4", quantization_group_size=7), "even"),
+                           (dict(quantization_group_size=32), "int8 and int4 only")):
+        with pytest.raises(ValueError, match=message):
+            WorkerShape(**shape)

@@ -23,7 +23,8 @@ if not torch.cuda.is_available():
 # Without triton nothing runs the kernels on the CPU (the demo's install lacks it): their
 # modules are left out there. On CUDA they stay, and fail.
 collect_ignore = ([] if has_triton() or torch.cuda.is_available()
-                  else ["test_lora_kernels.py", "test_kernel_accuracy.py"])
+                  else ["test_lora_kernels.py", "test_kernel_accuracy.py",
+                        "test_quant_kernels.py"])
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

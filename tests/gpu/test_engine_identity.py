@@ -10,15 +10,24 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
-from bench.gpu.engine_throughput import close_core, engine_requests, make_core, run_engine
+from bench.gpu.engine_throughput import (
+    close_core,
+    engine_requests,
+    make_core,
+    quantized_schemes,
+    run_engine,
+)
 from bench.gpu.models import IdentityPlan, Plan, build_random_model
 from bench.harness.adapters import ALL_LINEAR, ATTENTION, write_random_adapter
 from bench.harness.workload import BenchRequest, make_requests
 from bench.hf_baseline import load_peft
+from engine.config import QuantizationSpec
 from engine.core.engine_core import EngineCore
 from engine.models.loader import load_model_config
+from engine.models.quantized import round_trip_hf_linears
 
 # Adapter scale: alpha = ALPHA_PER_RANK * r. bench/harness/adapters.py draws B small ("a modest
 # effect"); scaled up, the adapters change greedy picks, or identity would prove little.
@@ -157,6 +166,76 @@ def _check_greedy_identity(
     assert adapted and changed > 0, "no adapter changed HF's greedy output: vacuous"
     assert len(forced) == len(requests) * plan.new_tokens
     assert 0 <= engine_agreement <= 1 and 0 <= hf_agreement <= 1
+
+
+@pytest.mark.parametrize("scheme", quantized_schemes(
+    torch.device("cuda" if torch.cuda.is_available() else "cpu")))
+def test_quantized_engine_greedy_tokens_match_hf(
+    scheme: str, plan: Plan, device: torch.device, work_dir: Path,
+    record_property: Callable[[str, object], None],
+) -> None:
+    """Greedy float32 tokens of the quantized engine, base and mixed adapters in one batch,
+    against HF and PEFT on the weights its quantization stands for (round_trip_hf_linears;
+    fp8: with each linear's input quantized per row as the engine's is). On CUDA this is
+    device_quant's layouts and the Triton kernel; on the CPU the C kernels (fp8, which
+    needs compute capability 8.9, only where the device has it)."""
+    ident = plan.identity
+    model_dir = work_dir / f"{ident.shape.name}-{scheme}"
+    hf = build_random_model(ident.shape, model_dir, device=device, dtype=torch.float32, seed=4)
+    config = load_model_config(model_dir)
+    spec = QuantizationSpec(scheme)
+    round_trip_hf_linears(hf, spec, embeddings=device.type == "cpu")
+    adapters = {
+        f"q-r{rank}": write_random_adapter(
+            work_dir / f"quantized-adapters-{scheme}" / f"r{rank}", config, rank=rank,
+            alpha=ALPHA_PER_RANK * rank, targets=ALL_LINEAR if i % 2 else ATTENTION,
+            seed=70 + i)
+        for i, rank in enumerate(ident.adapter_ranks)
+    }
+    choices: list[str | None] = [None, *adapters]
+    requests = [
+        BenchRequest(r.prompt_token_ids, ident.new_tokens, choices[i % len(choices)])
+        for i, r in enumerate(make_requests(ident.num_prompts, vocab_size=ident.shape.vocab_size,
+                                            prompt_len=ident.prompt_len,
+                                            output_len=(ident.new_tokens, ident.new_tokens),
+                                            seed=5))
+    ]
+    peft = load_peft(hf, adapters)
+    want: list[list[int]] = []
+    for r in requests:
+        if r.model is None:
+            with peft.disable_adapter():
+                want.append(hf_greedy(peft, r.prompt_token_ids, r.max_tokens))
+        else:
+            peft.set_adapter(r.model)
+            want.append(hf_greedy(peft, r.prompt_token_ids, r.max_tokens))
+    del hf, peft
+    release()
+    core = make_core(model_dir, device, torch.float32, max_num_seqs=64,
+                     max_loras=len(adapters), max_lora_rank=max(ident.adapter_ranks),
+                     kv_cache_tokens=ident.kv_cache_tokens, data_dir=work_dir,
+                     quantization=scheme)
+    try:
+        for name, path in adapters.items():
+            core.add_adapter(name, path)
+        weight_bytes = core.runner.weight_bytes
+        got = list(run_engine(core, engine_requests(requests, scheme, ignore_eos=False))
+                   .tokens.values())
+    finally:
+        close_core(core)
+        del core
+        release()
+    mismatches = [
+        {"request": i, "adapter": r.model, "first_difference": _first_difference(g, w),
+         "engine": g, "hf": w}
+        for i, (r, g, w) in enumerate(zip(requests, got, want, strict=True)) if g != w
+    ]
+    record_property("scheme", scheme)
+    record_property("requests", len(requests))
+    record_property("identical", len(requests) - len(mismatches))
+    record_property("weight_bytes", weight_bytes)
+    assert mismatches == [], f"{len(mismatches)} of {len(requests)} {scheme} greedy outputs " \
+        f"differ from HF on the dequantized weights: {mismatches}"
 
 
 def _first_difference(got: list[int], want: list[int]) -> int:
