@@ -240,7 +240,13 @@ def step_quantized_decode(ctx: Context) -> StepOutcome:
     engine (their correctness against HF: tests/gpu/test_engine_identity.py)."""
     from bench.gpu.engine_throughput import check_quantized_decode
 
-    results = check_quantized_decode(ctx.plan.throughput, ctx.bench_model(), ctx.device)
+    try:
+        results = check_quantized_decode(ctx.plan.throughput, ctx.bench_model(), ctx.device)
+    finally:
+        # It closes the throughput model to make room: a later step builds it again.
+        if ctx._bench is not None:
+            ctx._bench.close()
+        ctx._bench = None
     return StepOutcome(results, not_applicable=not ctx.on_cuda)
 
 

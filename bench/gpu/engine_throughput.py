@@ -213,7 +213,8 @@ class BenchModel:
         return self.peft
 
     def close(self) -> None:
-        close_core(self.core)
+        if self.core is not None:
+            close_core(self.core)
         self.core = None  # type: ignore[assignment]
         self.hf = self.peft = None
 
@@ -381,6 +382,13 @@ def check_quantized_decode(plan: ThroughputPlan, bench: BenchModel,
         _dtype_name(plan.dtype): {"weight_bytes": bench.core.runner.weight_bytes,
                                   "decode": decode(bench.core, "unquantized")},
     }
+    # NOTE: the unquantized engine's KV cache took what its profile left of the device
+    # (with the HF model resident): both go before the quantized engines load. This is
+    # the check's last step; the throughput model is closed for good.
+    bench.close()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     schemes = quantized_schemes(device)
     for scheme in schemes:
         start = time.perf_counter()

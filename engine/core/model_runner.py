@@ -231,8 +231,12 @@ class ModelRunner:
         config = self.config
         max_model_len = self._model_len()
         model_cls = model_class_for(self.model_config)
+        # A float checkpoint (or the GGUF) under --quantization: every decoder linear is
+        # quantized as it arrives, so its float weight is never made.
+        quantize_on_load = self.checkpoint_scheme is None and self.quantization.enabled
         model: CausalLM = model_cls(
-            self.model_config, max_positions=max_model_len, device=self.device, dtype=self.dtype
+            self.model_config, max_positions=max_model_len, device=self.device,
+            dtype=self.dtype, quantized_linears=quantize_on_load,
         )
         tensors = iter_safetensors(self.model_dir)
         if self.checkpoint_scheme is not None:

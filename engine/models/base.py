@@ -68,8 +68,11 @@ class CausalLM(nn.Module):
         max_positions: int | None = None,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
+        quantized_linears: bool = False,
     ) -> None:
-        """max_positions: the longest sequence to serve (default: config.max_model_len)."""
+        """max_positions: the longest sequence to serve (default: config.max_model_len).
+        quantized_linears: a subclass leaves its decoder linear weights unmade, for a load
+        that quantizes each as it arrives (LlamaForCausalLM)."""
         super().__init__()
         self.config = config
         # Where the weights live and what the activations are in (a quantized base holds

@@ -200,7 +200,12 @@ class LlamaForCausalLM(CausalLM):
         max_positions: int | None = None,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
+        quantized_linears: bool = False,
     ) -> None:
+        """quantized_linears: the decoder layers' linear weights are left on the meta
+        device (their biases are not): a load that quantizes every one as it arrives
+        (load_weights with `quantize`) replaces each layer and never writes its float
+        weight, so a GPU never holds the float model, not even empty."""
         super().__init__(config, max_positions=max_positions, device=device, dtype=dtype)
         # NOTE: built on the meta device and then materialized empty: random init of
         # every matrix would cost seconds and be overwritten by the checkpoint anyway.
@@ -220,7 +225,15 @@ class LlamaForCausalLM(CausalLM):
             self.lm_head = nn.Linear(
                 config.hidden_size, config.vocab_size, bias=False, device=META, dtype=dtype
             )
-        self.to_empty(device=device)
+        if quantized_linears:
+            linears = {id(m) for m in self.layers.modules() if isinstance(m, nn.Linear)}
+            for module in self.modules():
+                if id(module) not in linears:
+                    module.to_empty(device=device, recurse=False)
+                elif isinstance(module, nn.Linear) and module.bias is not None:
+                    module.bias = nn.Parameter(torch.empty_like(module.bias, device=device))
+        else:
+            self.to_empty(device=device)
 
         num_positions = max_positions or config.max_model_len
         inv_freq = rope_inv_freq_for(config)

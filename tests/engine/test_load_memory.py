@@ -82,3 +82,33 @@ def test_building_and_loading_a_model_on_the_cpu_imports_no_dynamo(smollm2_dir: 
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
                          text=True, timeout=300, check=True)
     assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout[-2000:]
+
+
+@pytest.mark.parametrize("variant", ["llama_gqa", "llama_attention_bias"])
+def test_a_load_that_quantizes_never_makes_the_float_linears(tiny_model_factory,
+                                                            variant: str) -> None:
+    """quantized_linears: the decoder linear weights stay on the meta device (no memory:
+    on a GPU the float model would be allocated in full otherwise), their biases are made
+    and loaded; after a quantizing load nothing of the model is left on meta."""
+    model_dir = tiny_model_factory(variant)
+    config = load_model_config(model_dir)
+    model = model_class_for(config)(config, dtype=torch.float32, quantized_linears=True)
+    linears = [m for m in model.layers.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(m.weight.is_meta for m in linears)
+    assert all(m.bias is None or not m.bias.is_meta for m in linears)
+    assert not model.embed_tokens.weight.is_meta
+    assert model.load_weights(iter_safetensors(model_dir),
+                              quantize=QuantizationSpec("int4")) == 4 * 2
+    assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+    layers = [m for m in model.layers.modules() if isinstance(m, QuantLinear)]
+    assert len(layers) == 8 and not any(isinstance(m, torch.nn.Linear)
+                                        for m in model.layers.modules())
+    biased = [m for m in layers if m.bias_f32 is not None]
+    assert bool(biased) == (variant == "llama_attention_bias")
+    # The biases are the checkpoint's, not the empty memory they were made in.
+    from safetensors.torch import load_file
+
+    stored = load_file(model_dir / "model.safetensors")
+    if biased:
+        o_bias = stored["model.layers.0.self_attn.o_proj.bias"]
+        assert torch.equal(model.layers[0].self_attn.o_proj.bias_f32, o_bias.float())
