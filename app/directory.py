@@ -186,10 +186,12 @@ class Directory:
         failing = False
         # Fixed rate: a refresh starts every interval, not an interval after the last
         # one ended, so a slow query does not push every later change back by its time.
-        # A refresh that overran its interval is followed at once, never twice at once.
+        # A refresh that overran its interval is followed after a tenth of one (a slow
+        # database is not queried back to back), never two at once.
         next_start = time.monotonic()
         while True:
-            next_start = max(next_start + self.refresh_interval_s, time.monotonic())
+            next_start = max(next_start + self.refresh_interval_s,
+                             time.monotonic() + self.refresh_interval_s / 10)
             await asyncio.sleep(next_start - time.monotonic())
             full = time.monotonic() - self._last_full_load >= FULL_RELOAD_INTERVAL_S
             try:

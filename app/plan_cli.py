@@ -70,6 +70,7 @@ def plan(
     """
     # Imported here: the planner reads model configs through the engine (torch).
     from app.placement import (
+        MemoryModel,
         PlacementInputError,
         PlanOptions,
         WorkerShape,
@@ -90,8 +91,15 @@ def plan(
                             max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
                             gpu_memory_utilization=gpu_memory_utilization)
         topology = load_topology(topology_path) if topology_path else discover_nvml()
+        if quantization == "fp8" and topology.without_fp8():
+            raise ValueError(
+                "--quantization fp8 needs GPUs of compute capability 8.9 or newer (Ada, "
+                f"Hopper, Blackwell); not {', '.join(topology.without_fp8())}: use int8 or "
+                "int4 there, or leave them out of the topology")
         tenants = load_tenants(tenants_path)
         config, _ = planning_model_config(model, default_data_dir())
+        # A group size the model's layers cannot take: refused here, in one line.
+        MemoryModel(config, shape)
     except (PlacementInputError, ModelLoadError, ValueError) as e:
         raise PlanInputError(str(e)) from e
     result = make_plan(topology, tenants, config, PlanOptions(shape=shape, model=model))

@@ -30,6 +30,8 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 # Rows up to which a step runs the Triton kernel on CUDA; above, dequantize and cuBLAS.
 KERNEL_ROWS = 64
+# Weights dequantize() converts at a time (float32 temporaries of 64 MiB).
+DEQUANTIZE_ELEMENTS = 1 << 24
 # The kernel's K tile: a divisor of the group size among these (tl.dot needs >= 16).
 KERNEL_BLOCK_K = (64, 32, 16)
 
@@ -170,15 +172,26 @@ def unpack_integers(qw: DeviceQuantizedWeight) -> torch.Tensor:
 
 def dequantize(qw: DeviceQuantizedWeight | Fp8Weight,
                dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The weight [N, K] the values stand for, computed in float32, in `dtype`."""
+    """The weight [N, K] the values stand for, computed in float32, in `dtype`: a
+    DEQUANTIZE_ELEMENTS block of rows at a time, so that the float32 temporaries of a large
+    layer (a fused gate_up) stay small beside the result."""
     n, k = qw.out_features, qw.in_features
-    if isinstance(qw, Fp8Weight):
-        return (qw.q.float() * qw.scales[:, None]).to(dtype)
-    g = qw.group_size
-    w = unpack_integers(qw).float().view(n, k // g, g) * qw.scales[..., None]
-    if qw.offsets is not None:
-        w = w + qw.offsets[..., None]
-    return w.reshape(n, k).to(dtype)
+    out = torch.empty(n, k, dtype=dtype, device=qw.scales.device)
+    step = max(1, DEQUANTIZE_ELEMENTS // k)
+    for r0 in range(0, n, step):
+        r1 = min(n, r0 + step)
+        if isinstance(qw, Fp8Weight):
+            w = qw.q[r0:r1].float().mul_(qw.scales[r0:r1, None])
+        else:
+            g = qw.group_size
+            q = qw.q[r0:r1]
+            if qw.bits == 4:
+                q = torch.stack([q & 15, q >> 4], -1)
+            w = q.reshape(r1 - r0, k // g, g).float().mul_(qw.scales[r0:r1, :, None])
+            if qw.offsets is not None:
+                w.add_(qw.offsets[r0:r1, :, None])
+        out[r0:r1] = w.view(r1 - r0, k)
+    return out
 
 
 def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -220,12 +233,13 @@ def linear(x: torch.Tensor, qw: DeviceQuantizedWeight | Fp8Weight,
 def _fp8_linear(x: torch.Tensor, qw: Fp8Weight, bias: torch.Tensor | None) -> torch.Tensor:
     xq, xs = quantize_rows_fp8(x)
     one = torch.ones((), dtype=torch.float32, device=x.device)
-    # Unit scales and float32 output, then both scales: the per-row scaling every
-    # _scaled_mm backend supports, with the same rounding everywhere.
-    y = torch._scaled_mm(xq, qw.q.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
-    y = y * xs * qw.scales
+    # Unit scales and float32 output, then both scales (in place): the per-row scaling
+    # every _scaled_mm backend supports, with the same rounding everywhere.
+    y = torch._scaled_mm(xq.contiguous(), qw.q.t(), scale_a=one, scale_b=one,
+                         out_dtype=torch.float32)
+    y.mul_(xs).mul_(qw.scales)
     if bias is not None:
-        y = y + bias
+        y.add_(bias)
     return y.to(x.dtype)
 
 

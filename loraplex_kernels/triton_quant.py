@@ -55,7 +55,9 @@ class QuantizedTensors(Protocol):
 _OUT_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
-@triton.jit
+# NOTE: the row count is not specialized on (triton would compile a variant for M == 1
+# and for multiples of 16 on top of the BLOCK_M ones, each a first-request stall).
+@triton.jit(do_not_specialize=["M"])
 def _quant_linear_kernel(
     x_ptr,  # [M, K], rows x_stride apart
     q_ptr,  # int8 [N, K] or uint8 [N, K / 2]
@@ -149,5 +151,8 @@ def quant_linear(x: torch.Tensor, qw: QuantizedTensors,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
+        # q * scale + offset rounded twice, as device_quant.dequantize (the dense path's
+        # weight and the oracle's) computes it, not fused into one multiply-add.
+        enable_fp_fusion=False,
     )
     return y

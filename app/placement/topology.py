@@ -75,6 +75,27 @@ class Node:
 class Topology:
     nodes: tuple[Node, ...]
 
+    def without_fp8(self) -> list[str]:
+        """The GPUs that cannot serve `--quantization fp8` (compute capability under 8.9:
+        Ampere and older), as "node GPU i (name)"."""
+        return [f"{node.name} GPU {gpu.index} ({gpu.name})" for node in self.nodes
+                for gpu in node.gpus if not has_fp8_units(gpu.name)]
+
+
+# Model names of GPUs of compute capability 8.9 or newer (fp8 tensor cores): Ada (L4, L40,
+# L40S, RTX 40xx / Ada), Hopper (H100, H200, H800, H20, GH200), Blackwell (B100, B200,
+# GB200, RTX 50xx).
+_FP8_MARKERS = ("H100", "H200", "H800", "H20", "GH200", "L4", "L40", "RTX 40", "RTX 50",
+                "ADA", "B100", "B200", "GB200", "B300")
+
+
+def has_fp8_units(name: str) -> bool:
+    """Whether a GPU model name (as a topology file or NVML gives it) is one of compute
+    capability 8.9 or newer. Unknown names count as not: a plan must not start a worker
+    that refuses to load."""
+    upper = name.upper()
+    return any(marker in upper for marker in _FP8_MARKERS)
+
 
 # ---------------------------------------------------------------------------- file
 

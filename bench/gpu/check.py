@@ -241,13 +241,18 @@ def step_quantized_decode(ctx: Context) -> StepOutcome:
     from bench.gpu.engine_throughput import check_quantized_decode
 
     try:
-        results = check_quantized_decode(ctx.plan.throughput, ctx.bench_model(), ctx.device)
+        # No scheme starts past the check's budget: one takes well under the minute
+        # run.sh leaves after it.
+        results = check_quantized_decode(ctx.plan.throughput, ctx.bench_model(), ctx.device,
+                                         deadline=ctx.start + ctx.plan.budget_s)
     finally:
         # It closes the throughput model to make room: a later step builds it again.
         if ctx._bench is not None:
             ctx._bench.close()
         ctx._bench = None
-    return StepOutcome(results, not_applicable=not ctx.on_cuda)
+    problems = [f"not run (time budget): {', '.join(results['not_run'])}; rerun with "
+                "--steps quantized_decode"] if results["not_run"] else []
+    return StepOutcome(results, problems, not_applicable=not ctx.on_cuda)
 
 
 # The steps that time the Triton kernels (compiled on a GPU, interpreted on the CPU);

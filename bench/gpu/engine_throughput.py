@@ -355,12 +355,13 @@ def quantized_schemes(device: torch.device) -> list[str]:
     return schemes
 
 
-def check_quantized_decode(plan: ThroughputPlan, bench: BenchModel,
-                           device: torch.device) -> dict[str, Any]:
+def check_quantized_decode(plan: ThroughputPlan, bench: BenchModel, device: torch.device,
+                           deadline: float = float("inf")) -> dict[str, Any]:
     """Each quantized scheme against the unquantized engine on the same weights: load
     time, weight bytes, decode step time at each batch size on the base model and with
     every row on one of `overhead_adapters` adapters, and how many of 4 greedy
-    continuations of 16 tokens equal the unquantized engine's."""
+    continuations of 16 tokens equal the unquantized engine's. No scheme is started past
+    `deadline` (time.perf_counter()); those are listed under "not_run"."""
     names = list(bench.adapters)[: plan.overhead_adapters]
     sizes = plan.decode_batch_sizes
 
@@ -389,8 +390,13 @@ def check_quantized_decode(plan: ThroughputPlan, bench: BenchModel,
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    schemes = quantized_schemes(device)
-    for scheme in schemes:
+    schemes: list[str] = []
+    not_run: list[str] = []
+    for scheme in quantized_schemes(device):
+        if time.perf_counter() > deadline:
+            not_run.append(scheme)
+            continue
+        schemes.append(scheme)
         start = time.perf_counter()
         core = make_core(bench.model_dir, device, plan.dtype,
                          max_num_seqs=max(sizes), max_loras=len(names),
@@ -427,4 +433,4 @@ def check_quantized_decode(plan: ThroughputPlan, bench: BenchModel,
             for mix in ("base", "adapters")
         }
     return {"model": plan.shape.name, "dtype": _dtype_name(plan.dtype), "schemes": schemes,
-            **results}
+            "not_run": not_run, **results}

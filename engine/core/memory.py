@@ -223,7 +223,24 @@ def activation_bytes(
     logits = _LOGIT_COPIES * max_num_seqs * cfg.vocab_size * 4
     masks = shape.max_num_batched_tokens * cfg.max_model_len
     decode_gather = -(-kv_cache_tokens * kv_bytes_per_token(cfg, shape.dtype) // cfg.num_layers)
-    return layer_step + logits + masks + decode_gather
+    return layer_step + logits + masks + decode_gather + quantized_step_bytes(cfg, shape)
+
+
+def quantized_step_bytes(cfg: ModelConfig, shape: WorkerShape) -> int:
+    """What a quantized layer adds to a step on a GPU (device_quant.py), for the largest
+    fused layer: int8 / int4 steps above the kernel's rows multiply over the layer
+    dequantized into the activations' dtype (its float32 temporaries bounded by
+    DEQUANTIZE_ELEMENTS); fp8 steps hold the fp8 input rows and their product in float32
+    before it is cast."""
+    if shape.quantization == "none":
+        return 0
+    groups = model_class_for(cfg).lora_group_shapes(cfg).values()
+    fin, fout = max(((fin, sum(outs)) for fin, outs in groups), key=lambda p: p[0] * p[1])
+    tokens = shape.max_num_batched_tokens
+    if shape.quantization == "fp8":
+        return tokens * fin * (1 + 4) + tokens * fout * (4 + dtype_bytes(shape.dtype))
+    # The dequantized layer, one block's float32 values and its unpacked integers.
+    return fin * fout * dtype_bytes(shape.dtype) + min(fin * fout, 1 << 24) * (4 + 2)
 
 
 @dataclass(frozen=True, slots=True)

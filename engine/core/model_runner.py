@@ -31,6 +31,7 @@ from engine.models.cpu_linear import kernel_weight_bytes, pack_linears, packing_
 from engine.models.gguf_weights import GGUF_GROUP, gguf_tensors
 from engine.models.loader import (
     ModelConfig,
+    ModelLoadError,
     bundled_source,
     iter_safetensors,
     load_tokenizer,
@@ -39,7 +40,6 @@ from engine.models.loader import (
 from engine.models.quantized import (
     QuantizationSpec,
     quantize_embeddings,
-    quantize_linears,
     weight_bytes,
 )
 from engine.models.registry import model_class_for
@@ -231,16 +231,17 @@ class ModelRunner:
         config = self.config
         max_model_len = self._model_len()
         model_cls = model_class_for(self.model_config)
-        # A float checkpoint (or the GGUF) under --quantization: every decoder linear is
-        # quantized as it arrives, so its float weight is never made.
-        quantize_on_load = self.checkpoint_scheme is None and self.quantization.enabled
+        # Under any quantization every decoder linear is loaded as integers (a pre-quantized
+        # checkpoint's float linears, if any, quantized as they arrive to its scheme), so
+        # its float weight is never made: on a GPU that would be the float model's memory.
         model: CausalLM = model_cls(
             self.model_config, max_positions=max_model_len, device=self.device,
-            dtype=self.dtype, quantized_linears=quantize_on_load,
+            dtype=self.dtype, quantized_linears=self.quantization.enabled,
         )
         tensors = iter_safetensors(self.model_dir)
         if self.checkpoint_scheme is not None:
-            num_quantized = model.load_weights(quantized_tensors(tensors, self.checkpoint_scheme))
+            num_quantized = model.load_weights(quantized_tensors(tensors, self.checkpoint_scheme),
+                                               quantize=self.quantization)
         elif self.gguf_source is not None:
             num_quantized = model.load_weights(
                 gguf_tensors(self.gguf_source, self.model_config, native_int4=True),
@@ -252,8 +253,11 @@ class ModelRunner:
                 tensors, quantize=self.quantization if self.quantization.enabled else None)
         model.eval()
         if self.quantization.enabled:
-            # Decoder linears the checkpoint left in float get the same scheme.
-            num_quantized += quantize_linears(model.layers, self.quantization, self.device)
+            # Every decoder linear was loaded as integers (its float weight never made).
+            left = [name for name, module in model.layers.named_modules()
+                    if isinstance(module, torch.nn.Linear)]
+            if left:
+                raise ModelLoadError(f"decoder linear layers left unquantized: {left[:3]}")
             if quantize_embeddings(model, self.dtype, self.quantization.int8_activations):
                 tables = "the embeddings and the output projection to int8"
             elif self.device.type != "cpu":

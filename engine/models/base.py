@@ -192,11 +192,25 @@ class CausalLM(nn.Module):
         # that a layer is packed as soon as its last part is in: the unpacked integers
         # (a byte per weight, with their scales) of one layer are held, not the model's.
         parts_of: dict[int, int] = {}
+        # A layer's bias tensors count too (id(bias) -> id(its weight)): the QuantLinear
+        # takes a copy of the bias, so one read after the packing (a shard boundary between
+        # a weight and its bias) would be lost.
+        weight_of_bias = {id(module.bias): key for key, (_, _, module) in linears.items()
+                          if module.bias is not None}
+        left: dict[int, int] = {}  # id(linear weight) -> its weight and bias parts not yet read
         for where in targets.values():
             base = where.dest if where.dest._base is None else where.dest._base
             if id(base) in linears:
                 parts_of[id(base)] = parts_of.get(id(base), 0) + 1
+            key = weight_of_bias.get(id(base), id(base))
+            if key in linears:
+                left[key] = left.get(key, 0) + 1
         packed: set[int] = set()
+
+        def part_read(key: int) -> None:
+            left[key] -= 1
+            if left[key] == 0 and len(quantized.get(key, ())) == parts_of[key]:
+                pack_layer(key)
 
         def pack_layer(key: int) -> None:
             parent, attr, module = linears[key]
@@ -250,12 +264,14 @@ class CausalLM(nn.Module):
                                              "layers' linear weights may be")
                     row0 = (dest.storage_offset() - param.storage_offset()) // dest.stride(0)
                     quantized.setdefault(id(param), []).append((row0, tensor))
-                    if len(quantized[id(param)]) == parts_of[id(param)]:
-                        pack_layer(id(param))
                 else:
                     dest.copy_(tensor)
                     if is_linear:
                         dense.setdefault(id(param), []).append(name)
+                if name in pending:
+                    key = weight_of_bias.get(id(param), id(param))
+                    if key in left:
+                        part_read(key)
                 pending.discard(name)
         if unexpected:
             raise ModelLoadError(

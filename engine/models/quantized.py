@@ -77,7 +77,7 @@ class QuantizedRows:
 
     def map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> QuantizedRows:
         """The same rows reordered by `fn` (a permutation of dim 0)."""
-        return QuantizedRows(fn(self.q), fn(self.scales),
+        return QuantizedRows(_as_values(fn(_as_bytes(self.q)), self.q.dtype), fn(self.scales),
                              None if self.offsets is None else fn(self.offsets),
                              self.bits, self.group, self.input_order)
 
@@ -98,8 +98,11 @@ class QuantizedRows:
         if any(p.offsets is not None for p in parts):
             offsets = torch.cat([torch.zeros_like(p.scales) if p.offsets is None else p.offsets
                                  for p in parts])
-        return QuantizedRows(torch.cat([p.q for p in parts]),
-                             torch.cat([p.scales for p in parts]), offsets,
+        if any(p.q.dtype != first.q.dtype for p in parts):
+            raise ValueError("its parts are quantized differently: "
+                             + ", ".join(str(p.q.dtype) for p in parts))
+        q = _as_values(torch.cat([_as_bytes(p.q) for p in parts]), first.q.dtype)
+        return QuantizedRows(q, torch.cat([p.scales for p in parts]), offsets,
                              first.bits, first.group, first.input_order)
 
     def pack(self, int8_activations: bool = False, device: torch.device | str = "cpu"
@@ -124,6 +127,16 @@ class QuantizedRows:
                                  f"in groups of {self.group}")
             return cpu_qdot.pack(self.q, self.scales)
         return cpu_quant.pack(self.q, self.scales, self.offsets, self.bits, self.group)
+
+
+def _as_bytes(q: torch.Tensor) -> torch.Tensor:
+    """fp8 values as their bytes (older torch builds cannot concatenate or permute float8
+    on CUDA), other integers as they are."""
+    return q.view(torch.uint8) if q.dtype == device_quant.FP8_DTYPE else q
+
+
+def _as_values(q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return q.view(dtype) if dtype == device_quant.FP8_DTYPE else q
 
 
 def quantize_rows(weight: torch.Tensor, spec: QuantizationSpec) -> QuantizedRows:
@@ -154,7 +167,8 @@ class QuantLinear(nn.Module):
         device = weight.scales.device
         self.bias_f32 = None if bias is None else bias.detach().float().to(device).contiguous()
         # Act-order weights: x's columns gathered into the stored order first.
-        self.input_order = None if input_order is None else input_order.long().contiguous()
+        self.input_order = (None if input_order is None
+                            else input_order.long().to(device).contiguous())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if isinstance(self.quantized, cpu_qdot.QDotWeight):

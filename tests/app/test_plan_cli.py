@@ -83,13 +83,40 @@ def test_a_quantized_base_fits_where_bf16_does_not() -> None:
     assert first["memory"]["weights_gb"] == pytest.approx(5.61, abs=0.01)
     assert first["args"][-4:] == ["--quantization", "int4", "--quantization-group-size", "128"]
     assert first["memory"]["total_gb"] <= first["memory_gb"] * 0.9
-    # fp8 (8.46 GiB) still does not.
-    fp8 = planned("--quantization", "fp8")
-    assert fp8["workers"] == [] and "weights 8.46" in fp8["unplaced"][0]["reason"]
+    # fp8 would not fit either (8.46 GiB of weights), and an A100 has no fp8 units anyway.
+    code, out = run("--topology", str(FIXTURES / "a100_80gb_7x1g.yaml"),
+                    "--tenants", str(FIXTURES / "tenants_mixed.yaml"), "--model", llama3,
+                    "--quantization", "fp8")
+    assert code == 2 and "A100-80GB" in out
     code, out = run("--topology", str(FIXTURES / "a100_80gb_7x1g.yaml"),
                     "--tenants", str(FIXTURES / "tenants_mixed.yaml"), "--model", llama3,
                     "--quantization", "w8a8")
     assert code == 2 and "'w8a8' is not one of" in out
+
+
+def test_fp8_is_planned_on_gpus_that_have_it_only() -> None:
+    llama3 = str(FIXTURES / "models" / "llama-3-8b")
+    code, out = run("--topology", str(FIXTURES / "issue_example.yaml"),
+                    "--tenants", str(FIXTURES / "tenants_example.yaml"), "--model", llama3,
+                    "--quantization", "fp8")
+    assert code == 2
+    assert "compute capability 8.9" in out and "node-a GPU 1 (A100-80GB)" in out
+    assert "GPU 0" not in out  # the H200 has fp8 units
+    code, out = run("--topology", str(FIXTURES / "h200_mixed.yaml"),
+                    "--tenants", str(FIXTURES / "tenants_example.yaml"), "--model", llama3,
+                    "--quantization", "fp8")
+    assert code == 0, out
+    workers = json.loads(out)["workers"]
+    assert workers and all(w["args"][-2:] == ["--quantization", "fp8"] for w in workers)
+
+
+def test_a_group_size_the_model_cannot_take_is_one_line() -> None:
+    # SmolLM2's hidden size, 576, is not a multiple of 128.
+    code, out = run("--topology", str(FIXTURES / "h200_mixed.yaml"),
+                    "--tenants", str(FIXTURES / "tenants_example.yaml"), "--model", SMOLLM2,
+                    "--quantization", "int4", "--quantization-group-size", "128")
+    assert code == 2 and "Traceback" not in out
+    assert "group size 128 does not divide 576 input features" in out
 
 
 def test_table_format() -> None:

@@ -28,6 +28,21 @@ def test_same_integers_same_weight_as_the_cpu_layout(bits: int, group: int | Non
     assert on_gpu.nbytes == 48 * 128 * bits // 8 + scales.numel() * 4 * (2 if bits == 4 else 1)
 
 
+@pytest.mark.parametrize("bits,group", [(8, None), (4, 32)], ids=lambda v: str(v))
+def test_dequantize_in_blocks_of_rows_is_the_same(bits: int, group: int | None,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    w = torch.randn(48, 64, generator=torch.Generator().manual_seed(9))
+    q, scales, offsets, g = cpu_quant.quantize_integers(w, bits, group)
+    qw = device_quant.pack(q, scales, offsets, bits, g, "cpu")
+    fp8 = device_quant.pack_fp8(*device_quant.quantize_fp8(w), "cpu")
+    whole = device_quant.dequantize(qw, torch.bfloat16), device_quant.dequantize(fp8)
+    monkeypatch.setattr(device_quant, "DEQUANTIZE_ELEMENTS", 7 * 64)  # 7 rows, then 6
+    assert torch.equal(device_quant.dequantize(qw, torch.bfloat16), whole[0])
+    assert torch.equal(device_quant.dequantize(fp8), whole[1])
+    want = cpu_quant.dequantize_reference(cpu_quant.pack(q, scales, offsets, bits, g))
+    assert torch.equal(whole[0], want.to(torch.bfloat16))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_dense_path_is_the_product_with_the_dequantized_weight(dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(2)

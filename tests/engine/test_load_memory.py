@@ -112,3 +112,30 @@ def test_a_load_that_quantizes_never_makes_the_float_linears(tiny_model_factory,
     if biased:
         o_bias = stored["model.layers.0.self_attn.o_proj.bias"]
         assert torch.equal(model.layers[0].self_attn.o_proj.bias_f32, o_bias.float())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_bias_read_after_its_layers_weights_is_kept(tiny_model_factory,
+                                                      dtype: torch.dtype) -> None:
+    """A sharded checkpoint may put a layer's bias after a shard boundary, past its
+    weights: the layer is packed only once its bias is in too (its QuantLinear holds a
+    copy of the bias)."""
+    model_dir = tiny_model_factory("llama_attention_bias")
+    config = load_model_config(model_dir)
+    stored = dict(iter_safetensors(model_dir))
+    weights_first = sorted(stored.items(), key=lambda item: item[0].endswith(".bias"))
+    model = model_class_for(config)(config, dtype=dtype, quantized_linears=True)
+    assert model.load_weights(iter(weights_first), quantize=QuantizationSpec("int8")) == 8
+    for name, tensor in stored.items():
+        # (q and k rows are stored rope-interleaved: their biases are not slices as read.)
+        if name.startswith("model.layers.") and name.endswith("_proj.bias") \
+                and not name.endswith(("q_proj.bias", "k_proj.bias")):
+            parent, _, proj = name.removeprefix("model.").removesuffix(".bias").rpartition(".")
+            fused = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
+                     "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
+            layer = model.get_submodule(f"{parent}.{fused.get(proj, proj)}")
+            assert isinstance(layer, QuantLinear)
+            assert layer.bias_f32 is not None
+            want = tensor.to(dtype).float()
+            assert any(torch.equal(layer.bias_f32[i:i + want.numel()], want)
+                       for i in range(0, layer.bias_f32.numel() - want.numel() + 1)), name
