@@ -46,9 +46,10 @@ def test_kernel_matches_the_definition(bits: int, group: int | None, dtype: torc
     qw = make_weight(n, k, bits, group, device, seed=bits + (group or 0))
     gen = torch.Generator().manual_seed(7)
     bias = torch.randn(n, generator=gen).to(device)
+    # The bias at one row count only: each (BLOCK_M, bias) pair is a compile on a GPU.
     for rows in (1, 5, 17, 40):
         x = torch.randn(rows, k, generator=gen).to(device=device, dtype=dtype)
-        for b in (None, bias):
+        for b in ((None, bias) if rows == 17 else (None,)):
             got = quant_linear(x, qw, b)
             assert got.dtype == dtype and got.shape == (rows, n)
             want = device_quant.reference_linear(x, qw, b)
