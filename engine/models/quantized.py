@@ -12,12 +12,17 @@ precision the bundled SmolLM2's embeddings ship in, so that model loses nothing 
 - int8: symmetric, one scale per output channel (or per group with a group size).
 - int4: asymmetric per group of `group_size` inputs (a scale and the group's minimum),
   DEFAULT_INT4_GROUP_SIZE by default.
-- fp8: refused with one line on the CPU (no fp8 units) and on GPUs before compute
-  capability 8.9; not served on CUDA in this version either.
-- w8a8: the weights as int8's, and each linear layer's input quantized to int8 as the step
-  runs (in groups of 64 inputs), the products summed in integers
+- fp8 (CUDA, compute capability 8.9+): float8 e4m3 per output channel, each row of the
+  input quantized to fp8 as the step runs (loraplex_kernels/device_quant.py); refused
+  with one line on the CPU (no fp8 units) and on older GPUs.
+- w8a8 (CPU): the weights as int8's, and each linear layer's input quantized to int8 as
+  the step runs (in groups of 64 inputs), the products summed in integers
   (loraplex_kernels/cpu_qdot.py) at every step size: on AVX-512 VNNI twice the
   multiply-adds an instruction of bf16's. The LoRA deltas read the unquantized input.
+
+On a CUDA GPU the same integers are held in device_quant's row-major layout (decode steps
+on a Triton kernel, larger ones over the layer dequantized, with cuBLAS), and the
+embeddings and output projection stay in the serving dtype. What follows is the CPU's.
 
 Steps of up to DENSE_ROWS rows (decode, small prefills) run the C kernel on the integers;
 larger ones dequantize a layer at a time and run a dense matmul on it, which is faster
