@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from engine.config import DEFAULT_INT4_GROUP_SIZE, QuantizationSpec
 from engine.models.loader import ModelConfig
 from engine.models.registry import model_class_for
+from loraplex_kernels.device_quant import DEQUANTIZE_ELEMENTS
 
 GIB = 1 << 30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -151,9 +152,7 @@ def quantized_linear_bytes(in_features: int, out_features: int, scheme: str,
     if in_features % group:
         raise ValueError(f"--quantization {scheme}: group size {group} does not divide "
                          f"{in_features} input features")
-    if scheme == "fp8":
-        return weights + 4 * out_features
-    if scheme == "int8":
+    if scheme in ("int8", "fp8"):  # fp8: one group, per channel
         return weights + 4 * out_features * (in_features // group)
     if scheme == "int4":
         return weights // 2 + 8 * out_features * (in_features // group)
@@ -240,7 +239,7 @@ def quantized_step_bytes(cfg: ModelConfig, shape: WorkerShape) -> int:
     if shape.quantization == "fp8":
         return tokens * fin * (1 + 4) + tokens * fout * (4 + dtype_bytes(shape.dtype))
     # The dequantized layer, one block's float32 values and its unpacked integers.
-    return fin * fout * dtype_bytes(shape.dtype) + min(fin * fout, 1 << 24) * (4 + 2)
+    return fin * fout * dtype_bytes(shape.dtype) + min(fin * fout, DEQUANTIZE_ELEMENTS) * (4 + 2)
 
 
 @dataclass(frozen=True, slots=True)

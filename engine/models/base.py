@@ -188,20 +188,17 @@ class CausalLM(nn.Module):
         # id(linear weight) -> (first row, rows) of its quantized parts; its float parts.
         quantized: dict[int, list[tuple[int, QuantizedRows]]] = {}
         dense: dict[int, list[str]] = {}
-        # How many checkpoint tensors each linear weight is made of (q, k and v: three), so
-        # that a layer is packed as soon as its last part is in: the unpacked integers
-        # (a byte per weight, with their scales) of one layer are held, not the model's.
-        parts_of: dict[int, int] = {}
-        # A layer's bias tensors count too (id(bias) -> id(its weight)): the QuantLinear
-        # takes a copy of the bias, so one read after the packing (a shard boundary between
-        # a weight and its bias) would be lost.
+        # How many checkpoint tensors each linear layer is made of, weights and biases (q,
+        # k and v: three of each), so that a layer is packed as soon as its last part is in:
+        # the unpacked integers (a byte per weight, with their scales) of one layer are
+        # held, not the model's. Biases count (id(bias) -> id(its weight)) because the
+        # QuantLinear takes a copy of the bias: one read after the packing (a shard boundary
+        # between a weight and its bias) would be lost.
         weight_of_bias = {id(module.bias): key for key, (_, _, module) in linears.items()
                           if module.bias is not None}
-        left: dict[int, int] = {}  # id(linear weight) -> its weight and bias parts not yet read
+        left: dict[int, int] = {}  # id(linear weight) -> its parts not yet read
         for where in targets.values():
             base = where.dest if where.dest._base is None else where.dest._base
-            if id(base) in linears:
-                parts_of[id(base)] = parts_of.get(id(base), 0) + 1
             key = weight_of_bias.get(id(base), id(base))
             if key in linears:
                 left[key] = left.get(key, 0) + 1
@@ -209,7 +206,8 @@ class CausalLM(nn.Module):
 
         def part_read(key: int) -> None:
             left[key] -= 1
-            if left[key] == 0 and len(quantized.get(key, ())) == parts_of[key]:
+            # A layer with float weight parts too waits for the end (refused there).
+            if left[key] == 0 and key in quantized and key not in dense:
                 pack_layer(key)
 
         def pack_layer(key: int) -> None:

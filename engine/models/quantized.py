@@ -36,7 +36,7 @@ third on a Zen 4: a prefill step of a quantized base took 2-4x the bf16 base's).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -225,19 +225,14 @@ def bf16_dense_is_fast() -> bool:
 def quantize_linears(module: nn.Module, spec: QuantizationSpec,
                      device: torch.device | str = "cpu") -> int:
     """Replace every `nn.Linear` below `module` by a QuantLinear of `spec` in `device`'s
-    layout; returns how many. Raises ValueError (one line) for a layer whose shape the
-    scheme cannot hold."""
+    layout (QuantizedRows.pack); returns how many. Raises ValueError (one line) for a
+    layer whose shape the scheme cannot hold."""
     count = 0
     for name, child in list(module.named_children()):
         if isinstance(child, nn.Linear):
             out_features, in_features = child.weight.shape
             try:
-                if torch.device(device).type == "cpu" and spec.int8_activations:
-                    qw: QuantizedWeights = cpu_qdot.quantize(child.weight)
-                elif torch.device(device).type == "cpu":
-                    qw = cpu_quant.quantize(child.weight, spec.bits, spec.group)
-                else:
-                    qw = quantize_rows(child.weight, spec).pack(spec.int8_activations, device)
+                qw = quantize_rows(child.weight, spec).pack(spec.int8_activations, device)
             except ValueError as exc:
                 raise ValueError(f"--quantization {spec.scheme}: layer {name} "
                                  f"[{out_features}, {in_features}]: {exc}") from None
@@ -349,6 +344,13 @@ HF_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "d
               "qkv_proj", "gate_up_proj")
 
 
+def hf_decoder_linears(hf_model: Any) -> Iterator[nn.Linear]:
+    """The decoder linear layers of a Hugging Face model (HF_LINEARS' names)."""
+    for name, module in hf_model.named_modules():
+        if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in HF_LINEARS:
+            yield module
+
+
 @torch.no_grad()
 def round_trip_hf_linears(hf_model: Any, spec: QuantizationSpec, embeddings: bool = True
                           ) -> int:
@@ -361,11 +363,10 @@ def round_trip_hf_linears(hf_model: Any, spec: QuantizationSpec, embeddings: boo
     also get hooks that quantize their inputs as the engine does (hook_int8_activations,
     hook_fp8_activations; a saved checkpoint does not keep them)."""
     count = 0
-    for name, module in hf_model.named_modules():
-        if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in HF_LINEARS:
-            weight = module.weight
-            weight.copy_(dequantized(quantize_rows(weight, spec)).to(weight.dtype))
-            count += 1
+    for module in hf_decoder_linears(hf_model):
+        weight = module.weight
+        weight.copy_(dequantized(quantize_rows(weight, spec)).to(weight.dtype))
+        count += 1
     if spec.int8_activations:
         hook_int8_activations(hf_model)
     if spec.scheme == "fp8":
@@ -394,11 +395,10 @@ def hook_fp8_activations(hf_model: Any) -> int:
     the values its input quantized to fp8 per row stands for
     (device_quant.fake_quantize_fp8); returns how many."""
     count = 0
-    for name, module in hf_model.named_modules():
-        if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in HF_LINEARS:
-            module.register_forward_pre_hook(
-                lambda _module, args: (device_quant.fake_quantize_fp8(args[0]), *args[1:]))
-            count += 1
+    for module in hf_decoder_linears(hf_model):
+        module.register_forward_pre_hook(
+            lambda _module, args: (device_quant.fake_quantize_fp8(args[0]), *args[1:]))
+        count += 1
     return count
 
 
@@ -414,10 +414,9 @@ def hook_int8_activations(hf_model: Any) -> int:
             lambda _module, args, group=group: (
                 cpu_qdot.fake_quantize(args[0], group), *args[1:]))
 
-    for name, module in hf_model.named_modules():
-        if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in HF_LINEARS:
-            hook(module, cpu_qdot.act_group(module.in_features))
-            count += 1
+    for module in hf_decoder_linears(hf_model):
+        hook(module, cpu_qdot.act_group(module.in_features))
+        count += 1
     # The output projection, where the engine quantizes it (quantize_embeddings): its
     # input in the embeddings' groups.
     embeddings = hf_model.get_input_embeddings().weight

@@ -47,32 +47,8 @@ def _check_greedy_identity(
 ) -> None:
     model_dir = work_dir / plan.shape.name
     hf = build_random_model(plan.shape, model_dir, device=device, dtype=torch.float32, seed=1)
-    config = load_model_config(model_dir)
-    adapters: dict[str, Path] = {}
-    for i, rank in enumerate(plan.adapter_ranks):
-        name = f"r{rank}-{'attn' if i % 2 == 0 else 'all'}"
-        adapters[name] = write_random_adapter(
-            work_dir / "identity-adapters" / name,
-            config,
-            rank=rank,
-            alpha=ALPHA_PER_RANK * rank,
-            targets=ATTENTION if i % 2 == 0 else ALL_LINEAR,
-            seed=50 + i,
-        )
-    # Prompt i runs on the base model or on one adapter, in turn: every batch mixes them.
-    choices: list[str | None] = [None, *adapters]
-    requests = [
-        BenchRequest(r.prompt_token_ids, plan.new_tokens, choices[i % len(choices)])
-        for i, r in enumerate(
-            make_requests(
-                plan.num_prompts,
-                vocab_size=plan.shape.vocab_size,
-                prompt_len=plan.prompt_len,
-                output_len=(plan.new_tokens, plan.new_tokens),
-                seed=3,
-            )
-        )
-    ]
+    adapters = _identity_adapters(plan, model_dir, work_dir / "identity-adapters", seed=50)
+    requests = _mixed_requests(plan, adapters, seed=3)
 
     base_hf = [hf_greedy(hf, r.prompt_token_ids, r.max_tokens) for r in requests]
     peft = load_peft(hf, adapters)
@@ -104,18 +80,7 @@ def _check_greedy_identity(
     close_core(core)
     del core
     release()
-    got_tokens = list(got.tokens.values())
-    mismatches = [
-        {
-            "request": i,
-            "adapter": r.model,
-            "first_difference": _first_difference(g, w),
-            "engine": g,
-            "hf": w,
-        }
-        for i, (r, g, w) in enumerate(zip(requests, got_tokens, want, strict=True))
-        if g != w
-    ]
+    mismatches = _mismatches(requests, list(got.tokens.values()), want)
     adapted = [i for i, r in enumerate(requests) if r.model is not None]
     changed = sum(want[i] != base_hf[i] for i in adapted)
 
@@ -182,24 +147,10 @@ def test_quantized_engine_greedy_tokens_match_hf(
     ident = plan.identity
     model_dir = work_dir / f"{ident.shape.name}-{scheme}"
     hf = build_random_model(ident.shape, model_dir, device=device, dtype=torch.float32, seed=4)
-    config = load_model_config(model_dir)
-    spec = QuantizationSpec(scheme)
-    round_trip_hf_linears(hf, spec, embeddings=device.type == "cpu")
-    adapters = {
-        f"q-r{rank}": write_random_adapter(
-            work_dir / f"quantized-adapters-{scheme}" / f"r{rank}", config, rank=rank,
-            alpha=ALPHA_PER_RANK * rank, targets=ALL_LINEAR if i % 2 else ATTENTION,
-            seed=70 + i)
-        for i, rank in enumerate(ident.adapter_ranks)
-    }
-    choices: list[str | None] = [None, *adapters]
-    requests = [
-        BenchRequest(r.prompt_token_ids, ident.new_tokens, choices[i % len(choices)])
-        for i, r in enumerate(make_requests(ident.num_prompts, vocab_size=ident.shape.vocab_size,
-                                            prompt_len=ident.prompt_len,
-                                            output_len=(ident.new_tokens, ident.new_tokens),
-                                            seed=5))
-    ]
+    round_trip_hf_linears(hf, QuantizationSpec(scheme), embeddings=device.type == "cpu")
+    adapters = _identity_adapters(ident, model_dir, work_dir / f"quantized-adapters-{scheme}",
+                                  seed=70)
+    requests = _mixed_requests(ident, adapters, seed=5)
     peft = load_peft(hf, adapters)
     want: list[list[int]] = []
     for r in requests:
@@ -225,11 +176,7 @@ def test_quantized_engine_greedy_tokens_match_hf(
         close_core(core)
         del core
         release()
-    mismatches = [
-        {"request": i, "adapter": r.model, "first_difference": _first_difference(g, w),
-         "engine": g, "hf": w}
-        for i, (r, g, w) in enumerate(zip(requests, got, want, strict=True)) if g != w
-    ]
+    mismatches = _mismatches(requests, got, want)
     record_property("scheme", scheme)
     record_property("requests", len(requests))
     record_property("identical", len(requests) - len(mismatches))
@@ -241,6 +188,60 @@ def test_quantized_engine_greedy_tokens_match_hf(
     allowed = len(requests) // 10 if scheme == "fp8" else 0
     assert len(mismatches) <= allowed, f"{len(mismatches)} of {len(requests)} {scheme} " \
         f"greedy outputs differ from HF on the dequantized weights: {mismatches}"
+
+
+def _identity_adapters(plan: IdentityPlan, model_dir: Path, folder: Path,
+                       seed: int) -> dict[str, Path]:
+    """One random adapter of each of the plan's ranks, on attention and on all linears in
+    turn, adapter i drawn with seed + i."""
+    config = load_model_config(model_dir)
+    adapters: dict[str, Path] = {}
+    for i, rank in enumerate(plan.adapter_ranks):
+        name = f"r{rank}-{'attn' if i % 2 == 0 else 'all'}"
+        adapters[name] = write_random_adapter(
+            folder / name,
+            config,
+            rank=rank,
+            alpha=ALPHA_PER_RANK * rank,
+            targets=ATTENTION if i % 2 == 0 else ALL_LINEAR,
+            seed=seed + i,
+        )
+    return adapters
+
+
+def _mixed_requests(plan: IdentityPlan, adapters: dict[str, Path],
+                    seed: int) -> list[BenchRequest]:
+    """The plan's prompts; prompt i runs on the base model or on one adapter, in turn:
+    every batch mixes them."""
+    choices: list[str | None] = [None, *adapters]
+    return [
+        BenchRequest(r.prompt_token_ids, plan.new_tokens, choices[i % len(choices)])
+        for i, r in enumerate(
+            make_requests(
+                plan.num_prompts,
+                vocab_size=plan.shape.vocab_size,
+                prompt_len=plan.prompt_len,
+                output_len=(plan.new_tokens, plan.new_tokens),
+                seed=seed,
+            )
+        )
+    ]
+
+
+def _mismatches(requests: list[BenchRequest], got: list[list[int]],
+                want: list[list[int]]) -> list[dict[str, Any]]:
+    """Each request whose engine tokens differ from HF's, with where they first differ."""
+    return [
+        {
+            "request": i,
+            "adapter": r.model,
+            "first_difference": _first_difference(g, w),
+            "engine": g,
+            "hf": w,
+        }
+        for i, (r, g, w) in enumerate(zip(requests, got, want, strict=True))
+        if g != w
+    ]
 
 
 def _first_difference(got: list[int], want: list[int]) -> int:
