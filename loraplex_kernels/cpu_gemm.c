@@ -149,6 +149,16 @@ static int amx_linear(const bf16_t *x, int64_t x_stride, int64_t m, int64_t k,
 #endif
 
 #ifdef HAVE_DPBF16
+/* The weights of the group a thread runs next: its 2 C blocks' lines (one input pair of a
+   block's 16 columns, 64 bytes, each), fetched into L2 while the current group runs, so
+   that the next group's first rows find them there instead of waiting on memory. At a few
+   rows, where a group's arithmetic is short, that wait was a good part of the layer
+   (docs/BENCHMARKS.md: a step's linears at 16 rows ~11% faster with it). */
+struct next_group {
+    const bf16_t *w[6];
+    int64_t blocks, lines;  /* 2 C, and 2 C x pairs lines (0: nothing to fetch) */
+};
+
 /* Rows [r0, r0 + R) of x against 2 C column blocks: j .. j + C - 1 and, C blocks of sums
    further on, half + j .. half + j + C - 1 (for a gate_up weight, each gate block beside
    its up block). R x 2C sums in registers (at most 4 x 6 = 24 of the 32): per input pair,
@@ -157,7 +167,7 @@ static int amx_linear(const bf16_t *x, int64_t x_stride, int64_t m, int64_t k,
 static inline __attribute__((always_inline)) void dp_block(
     const bf16_t *x, int64_t x_stride, int64_t r0, const int R, const int C, int64_t j,
     int64_t half, const bf16_t *packed, int64_t pairs, int64_t n, const bf16_t *bias,
-    bf16_t *y, int silu_mul) {
+    bf16_t *y, int silu_mul, const struct next_group *next, int64_t tile, int64_t rate) {
     __m512 acc[4][6];
     const bf16_t *w[6];
     for (int r = 0; r < R; r++)
@@ -167,9 +177,18 @@ static inline __attribute__((always_inline)) void dp_block(
         w[C + c] = packed + (half + j + c) * pairs * 32;
     }
     const bf16_t *xr = x + r0 * x_stride;
+    /* the next group's lines this tile fetches, in the order that group reads them: input
+       pair np of each of its blocks in turn (block nb), then the next pair */
+    const int64_t first = tile * pairs * rate;
+    int64_t left = next->lines - first, nb = 0, np = 0;
+    if (left > 0) nb = first % next->blocks, np = first / next->blocks;
     for (int64_t p = 0; p < pairs; p++) {
         __m512bh b[6];
         for (int c = 0; c < 2 * C; c++) b[c] = (__m512bh)_mm512_loadu_si512(w[c] + p * 32);
+        for (int64_t i = 0; i < rate && left > 0; i++, left--) {
+            _mm_prefetch((const char *)(next->w[nb] + np * 32), _MM_HINT_T1);
+            if (++nb == next->blocks) nb = 0, np++;
+        }
         for (int r = 0; r < R; r++) {
             int32_t pair;
             memcpy(&pair, xr + r * x_stride + 2 * p, sizeof pair);
@@ -195,19 +214,19 @@ static inline __attribute__((always_inline)) void dp_block(
     }
 }
 
-/* Column blocks [j, j + C) and their partners, all rows: 4 at a time, then the rest. */
+/* Column blocks [j, j + C) and their partners, all rows: 4 at a time, then the rest; the
+   next group's weights are prefetched over the tiles (tile t, `rate` lines an input pair). */
+#define DP_BLOCK(R, C)                                                                      \
+    dp_block(x, x_stride, r0, R, C, j, half, packed, pairs, n, bias, y, silu_mul, &next,    \
+             r0 / 4, rate)
 #define DP_ROWS(C)                                                                          \
     do {                                                                                    \
         int64_t r0 = 0;                                                                     \
-        for (; r0 + 4 <= m; r0 += 4)                                                        \
-            dp_block(x, x_stride, r0, 4, C, j, half, packed, pairs, n, bias, y, silu_mul);  \
+        for (; r0 + 4 <= m; r0 += 4) DP_BLOCK(4, C);                                        \
         switch (m - r0) {                                                                   \
-        case 3: dp_block(x, x_stride, r0, 3, C, j, half, packed, pairs, n, bias, y, silu_mul); \
-            break;                                                                          \
-        case 2: dp_block(x, x_stride, r0, 2, C, j, half, packed, pairs, n, bias, y, silu_mul); \
-            break;                                                                          \
-        case 1: dp_block(x, x_stride, r0, 1, C, j, half, packed, pairs, n, bias, y, silu_mul); \
-            break;                                                                          \
+        case 3: DP_BLOCK(3, C); break;                                                      \
+        case 2: DP_BLOCK(2, C); break;                                                      \
+        case 1: DP_BLOCK(1, C); break;                                                      \
         }                                                                                   \
     } while (0)
 #endif
@@ -215,24 +234,48 @@ static inline __attribute__((always_inline)) void dp_block(
 /* The same product (and fused SiLU) on the AVX-512 BF16 dot-product instruction, for any
    m >= 1: sums in float32 in input order, rounded once to bf16 as st_bf16 rounds.
 
-   Each thread takes 3 column blocks and their 3 partners (block j + n / 32) at a time, and
-   runs all rows of x against them, 4 rows at a time: the six blocks' weights are read
-   from memory once (the first 4 rows) and from the L2 cache after. On an AMD Zen 4 (2
-   cores) it runs at the bf16 matmul peak from 8 rows to 2,048, where oneDNN's packed
-   matmul reaches it only from ~128 rows (docs/BENCHMARKS.md). */
+   A thread takes a group of 3 column blocks and their 3 partners (block j + n / 32) at a
+   time, and runs all rows of x against them, 4 rows at a time: the six blocks' weights
+   are read once and kept in the L2 cache for the rest, while the thread's next group's
+   weights are fetched into L2 (struct next_group). On an AMD Zen 4 (2 cores) it runs at
+   the bf16 matmul peak from 8 rows to 2,048, where oneDNN's packed matmul reaches it only
+   from ~128 rows (docs/BENCHMARKS.md). */
 #ifdef HAVE_DPBF16
 static int dp_linear(const bf16_t *x, int64_t x_stride, int64_t m, int64_t k,
                      const bf16_t *packed, int64_t n, const bf16_t *bias, bf16_t *y,
                      int64_t num_threads, int silu_mul) {
     if (m < 1 || n % 32 != 0 || k % 32 != 0 || n == 0 || k == 0) return 1;
     const int64_t half = n / 32, pairs = k / 2, groups = (half + 2) / 3;
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int64_t g = 0; g < groups; g++) {
-        const int64_t j = g * 3;
-        switch (half - j < 3 ? half - j : 3) {
-        case 3: DP_ROWS(3); break;
-        case 2: DP_ROWS(2); break;
-        default: DP_ROWS(1); break;
+    /* the row tiles a group runs, over which the next group's lines are spread */
+    const int64_t tiles = (m + 3) / 4;
+    /* Groups are handed out one at a time from a shared counter, each thread taking its
+       next group when it starts one (so that it can fetch that group's weights meanwhile):
+       a thread the OS takes the core from (the server's event loop, a client on the same
+       cores) holds up one group, and the others take the rest of the layer. */
+    int64_t taken = 0;
+#pragma omp parallel num_threads(num_threads)
+    {
+        int64_t g = __atomic_fetch_add(&taken, 1, __ATOMIC_RELAXED);
+        while (g < groups) {
+            const int64_t following = __atomic_fetch_add(&taken, 1, __ATOMIC_RELAXED);
+            const int64_t j = g * 3, blocks = half - j < 3 ? half - j : 3;
+            struct next_group next = {.blocks = 0, .lines = 0};
+            if (following < groups) {
+                const int64_t nj = following * 3, nc = half - nj < 3 ? half - nj : 3;
+                for (int64_t c = 0; c < nc; c++) {
+                    next.w[c] = packed + (nj + c) * pairs * 32;
+                    next.w[nc + c] = packed + (half + nj + c) * pairs * 32;
+                }
+                next.blocks = 2 * nc;
+                next.lines = 2 * nc * pairs;
+            }
+            const int64_t rate = (next.lines + tiles * pairs - 1) / (tiles * pairs);
+            switch (blocks) {
+            case 3: DP_ROWS(3); break;
+            case 2: DP_ROWS(2); break;
+            default: DP_ROWS(1); break;
+            }
+            g = following;
         }
     }
     return 0;
