@@ -152,8 +152,11 @@ static int amx_linear(const bf16_t *x, int64_t x_stride, int64_t m, int64_t k,
 /* The weights of the group a thread runs next: its 2 C blocks' lines (one input pair of a
    block's 16 columns, 64 bytes, each), fetched into L2 while the current group runs, so
    that the next group's first rows find them there instead of waiting on memory. At a few
-   rows, where a group's arithmetic is short, that wait was a good part of the layer
-   (docs/BENCHMARKS.md: a step's linears at 16 rows ~11% faster with it). */
+   rows, where a group's arithmetic is short, that wait was a good part of the layer: a
+   step's linears at 8 and 16 rows ~13-18% faster with it on a Zen 4. From 32 rows on the
+   arithmetic bounds the layer, and the fetches only cost (with the weights in L3, 12-15%
+   slower; from memory, no faster), so larger steps do without (docs/BENCHMARKS.md). */
+#define PREFETCH_TILES 4
 struct next_group {
     const bf16_t *w[6];
     int64_t blocks, lines;  /* 2 C, and 2 C x pairs lines (0: nothing to fetch) */
@@ -246,7 +249,8 @@ static int dp_linear(const bf16_t *x, int64_t x_stride, int64_t m, int64_t k,
                      int64_t num_threads, int silu_mul) {
     if (m < 1 || n % 32 != 0 || k % 32 != 0 || n == 0 || k == 0) return 1;
     const int64_t half = n / 32, pairs = k / 2, groups = (half + 2) / 3;
-    /* the row tiles a group runs, over which the next group's lines are spread */
+    /* the row tiles a group runs, over which the next group's lines are spread; fetched
+       only for steps of up to PREFETCH_TILES tiles (see struct next_group) */
     const int64_t tiles = (m + 3) / 4;
     /* Groups are handed out one at a time from a shared counter, each thread taking its
        next group when it starts one (so that it can fetch that group's weights meanwhile):
@@ -260,7 +264,7 @@ static int dp_linear(const bf16_t *x, int64_t x_stride, int64_t m, int64_t k,
             const int64_t following = __atomic_fetch_add(&taken, 1, __ATOMIC_RELAXED);
             const int64_t j = g * 3, blocks = half - j < 3 ? half - j : 3;
             struct next_group next = {.blocks = 0, .lines = 0};
-            if (following < groups) {
+            if (following < groups && tiles <= PREFETCH_TILES) {
                 const int64_t nj = following * 3, nc = half - nj < 3 ? half - nj : 3;
                 for (int64_t c = 0; c < nc; c++) {
                     next.w[c] = packed + (nj + c) * pairs * 32;
