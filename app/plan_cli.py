@@ -91,10 +91,11 @@ def plan(
                             max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
                             gpu_memory_utilization=gpu_memory_utilization)
         topology = load_topology(topology_path) if topology_path else discover_nvml()
-        if quantization == "fp8" and topology.without_fp8():
+        lacking_fp8 = topology.without_fp8() if quantization == "fp8" else []
+        if lacking_fp8:
             raise ValueError(
                 "--quantization fp8 needs GPUs of compute capability 8.9 or newer (Ada, "
-                f"Hopper, Blackwell); not {', '.join(topology.without_fp8())}: use int8 or "
+                f"Hopper, Blackwell); not {', '.join(lacking_fp8)}: use int8 or "
                 "int4 there, or leave them out of the topology")
         tenants = load_tenants(tenants_path)
         config, _ = planning_model_config(model, default_data_dir())

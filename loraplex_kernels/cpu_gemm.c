@@ -159,7 +159,7 @@ static int amx_linear(const bf16_t *x, int64_t x_stride, int64_t m, int64_t k,
 #define PREFETCH_TILES 4
 struct next_group {
     const bf16_t *w[6];
-    int64_t blocks, lines;  /* 2 C, and 2 C x pairs lines (0: nothing to fetch) */
+    int64_t blocks;  /* 2 C, each `pairs` lines; 0: nothing to fetch */
 };
 
 /* Rows [r0, r0 + R) of x against 2 C column blocks: j .. j + C - 1 and, C blocks of sums
@@ -183,7 +183,7 @@ static inline __attribute__((always_inline)) void dp_block(
     /* the next group's lines this tile fetches, in the order that group reads them: input
        pair np of each of its blocks in turn (block nb), then the next pair */
     const int64_t first = tile * pairs * rate;
-    int64_t left = next->lines - first, nb = 0, np = 0;
+    int64_t left = next->blocks * pairs - first, nb = 0, np = 0;
     if (left > 0) nb = first % next->blocks, np = first / next->blocks;
     for (int64_t p = 0; p < pairs; p++) {
         __m512bh b[6];
@@ -263,7 +263,7 @@ static int dp_linear(const bf16_t *x, int64_t x_stride, int64_t m, int64_t k,
         while (g < groups) {
             const int64_t following = __atomic_fetch_add(&taken, 1, __ATOMIC_RELAXED);
             const int64_t j = g * 3, blocks = half - j < 3 ? half - j : 3;
-            struct next_group next = {.blocks = 0, .lines = 0};
+            struct next_group next = {.blocks = 0};
             if (following < groups && tiles <= PREFETCH_TILES) {
                 const int64_t nj = following * 3, nc = half - nj < 3 ? half - nj : 3;
                 for (int64_t c = 0; c < nc; c++) {
@@ -271,9 +271,9 @@ static int dp_linear(const bf16_t *x, int64_t x_stride, int64_t m, int64_t k,
                     next.w[nc + c] = packed + (half + nj + c) * pairs * 32;
                 }
                 next.blocks = 2 * nc;
-                next.lines = 2 * nc * pairs;
             }
-            const int64_t rate = (next.lines + tiles * pairs - 1) / (tiles * pairs);
+            /* lines an input pair, so that the next group's 2 C x pairs fit in the tiles */
+            const int64_t rate = (next.blocks + tiles - 1) / tiles;
             switch (blocks) {
             case 3: DP_ROWS(3); break;
             case 2: DP_ROWS(2); break;

@@ -165,9 +165,15 @@ def pack_fp8(q: torch.Tensor, scales: torch.Tensor, device: torch.device | str) 
 
 def unpack_integers(qw: DeviceQuantizedWeight) -> torch.Tensor:
     """The integers [N, K] (int8, or uint8 0..15)."""
-    if qw.bits == 8:
-        return qw.q
-    return torch.stack([qw.q & 15, qw.q >> 4], -1).reshape(qw.out_features, qw.in_features)
+    return _unpack_rows(qw.q, qw.bits)
+
+
+def _unpack_rows(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """Rows of stored integers -> [rows, K]: int8 as they are, int4's nibbles (the low one
+    the even input) side by side."""
+    if bits == 8:
+        return q
+    return torch.stack([q & 15, q >> 4], -1).reshape(q.shape[0], -1)
 
 
 def dequantize(qw: DeviceQuantizedWeight | Fp8Weight,
@@ -184,9 +190,7 @@ def dequantize(qw: DeviceQuantizedWeight | Fp8Weight,
             w = qw.q[r0:r1].float().mul_(qw.scales[r0:r1, None])
         else:
             g = qw.group_size
-            q = qw.q[r0:r1]
-            if qw.bits == 4:
-                q = torch.stack([q & 15, q >> 4], -1)
+            q = _unpack_rows(qw.q[r0:r1], qw.bits)
             w = q.reshape(r1 - r0, k // g, g).float().mul_(qw.scales[r0:r1, :, None])
             if qw.offsets is not None:
                 w.add_(qw.offsets[r0:r1, :, None])
