@@ -421,20 +421,27 @@ class AsyncEngine(RunsItsOwnRequests):
                         self._streams.deliver([], {request.request_id: exc})
                 result = core.step()
                 idle = result.idle
+                if result.fatal is not None:
+                    # Failed before the step's errors go out: a caller that gets its error
+                    # and asks /health at once must find the engine failed.
+                    self._mark_failed(result.fatal)
                 if result.outputs or result.failures:
                     self._streams.deliver(result.outputs, result.failures)
                 if result.fatal is not None:
-                    self._fail_for_good(result.fatal)
+                    self._fail_all(EngineDeadError.failed(result.fatal))
                     return
         except BaseException as exc:
             log.exception("engine step loop failed")
             self._fail_for_good(f"the step loop failed: {type(exc).__name__}: {exc}")
 
     def _fail_for_good(self, reason: str) -> None:
+        self._mark_failed(reason)
+        self._fail_all(EngineDeadError.failed(reason))
+
+    def _mark_failed(self, reason: str) -> None:
         log.critical("engine failed, serving no more requests: %s", reason)
         with self._lock:
             self._failure = reason
-        self._fail_all(EngineDeadError.failed(reason))
 
     def _fail_all(self, exc: BaseException) -> None:
         self._streams.fail_all(exc)

@@ -131,6 +131,12 @@ class _CoreHost(AsyncEngine):
         self._calls.shutdown(wait=False, cancel_futures=True)
         self._adapter_reads.shutdown(wait=False, cancel_futures=True)
 
+    def _mark_failed(self, reason: str) -> None:
+        super()._mark_failed(reason)
+        # Ahead of the fatal step's outputs (the pipe keeps the order): the server process
+        # reports the engine failed before any caller hears of that step's errors.
+        self.send(("failing", reason))
+
     def _on_loaded(self, loaded: concurrent.futures.Future[None]) -> None:
         exc = loaded.exception()
         if exc is not None:
@@ -347,6 +353,8 @@ class ProcessEngine(TokenizingClient, RunsItsOwnRequests):
                         future.set_result(value)
                     else:
                         future.set_exception(value)
+            elif kind == "failing":
+                self._mark_failed(message[1])
             elif kind == "dead":
                 self._fail_for_good(str(message[1]).removeprefix("engine failed: "))
                 return
@@ -357,10 +365,13 @@ class ProcessEngine(TokenizingClient, RunsItsOwnRequests):
             )
 
     def _fail_for_good(self, reason: str) -> None:
+        self._mark_failed(reason)
+        self._streams.fail_all(EngineDeadError.failed(reason))
+
+    def _mark_failed(self, reason: str) -> None:
         if self._failure is None:
             log.critical("engine failed, serving no more requests: %s", reason)
             self._failure = reason
-        self._streams.fail_all(EngineDeadError.failed(reason))
         self._fail_calls(EngineDeadError.failed(reason))
 
     def _fail_calls(self, exc: BaseException) -> None:

@@ -19,6 +19,7 @@ from engine.config import EngineConfig
 from engine.core.engine_core import EngineCore
 from engine.core.faults import FAULTS_ENV, FaultPlan
 from engine.core.state import Request
+from engine.core_process import ProcessEngine
 from engine.request import EngineRequest, RequestOutput, SamplingParams
 from tests.utils.peft_adapters import make_peft_adapter
 from tests.utils.tiny_models import random_prompt
@@ -139,12 +140,24 @@ def test_a_failure_in_sampling_fails_only_its_row(
     assert core.block_manager.num_free_blocks == core.runner.num_blocks
 
 
+@pytest.mark.parametrize("engine_process", [False, True], ids=["thread", "process"])
 def test_a_broken_device_fails_the_engine_for_good(
-    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch, engine_process: bool
 ) -> None:
-    monkeypatch.setenv(FAULTS_ENV, "broken-after=0")
-    engine = AsyncEngine(_config(model_dir, max_consecutive_step_failures=2))
+    monkeypatch.setenv(FAULTS_ENV, "broken-after=0")  # a spawned engine process reads it too
+    config = _config(model_dir, max_consecutive_step_failures=2, engine_process=engine_process)
+    engine = ProcessEngine(config) if engine_process else AsyncEngine(config)
     engine.start_sync()
+    # What the engine reported when each request's error reached its stream: whoever hears
+    # of the fatal step's error and asks at once (as /health does) must find it failed.
+    failure_at_delivery: dict[str, str | None] = {}
+    deliver = engine._streams.deliver
+
+    def recording(outputs: list[RequestOutput], errors: dict[str, BaseException]) -> None:
+        failure_at_delivery.update({rid: engine.failure() for rid in errors})
+        deliver(outputs, errors)
+
+    monkeypatch.setattr(engine._streams, "deliver", recording)
 
     async def one(rid: str) -> list[RequestOutput]:
         return [o async for o in engine.generate(
@@ -155,13 +168,11 @@ def test_a_broken_device_fails_the_engine_for_good(
         with pytest.raises(EngineStepError):
             await one("r1")
         assert engine.failure() is None and engine.is_ready()
-        with pytest.raises((EngineStepError, EngineDeadError)):
+        with pytest.raises(EngineStepError):  # its own error, not the dead engine's
             await one("r2")
-        for _ in range(100):
-            if engine.failure() is not None:
-                break
-            await asyncio.sleep(0.02)
-        reason = engine.failure()
+        assert failure_at_delivery["r1"] is None
+        reason = failure_at_delivery["r2"]
+        assert reason is not None and reason == engine.failure()
         assert reason is not None and "2 engine steps in a row failed" in reason
         assert "device is broken" in reason
         assert not engine.is_ready()
