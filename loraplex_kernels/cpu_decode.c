@@ -13,6 +13,35 @@ static inline void prefetch_row(const void *p, int64_t nbytes) {
     for (int64_t i = 0; i < nbytes; i += 64) __builtin_prefetch((const char *)p + i, 0, 2);
 }
 
+/* How many blocks ahead the bf16 loop fetches rows (1-3 within 4% on a Zen 4; 2 leaves
+   room for a slower memory). */
+#define FETCH_AHEAD 2
+
+/* The work items of one call (a sequence, or one KV head of it), handed out one at a time
+   from a shared counter. A thread takes its next item FETCH_AHEAD blocks before the end
+   of the current one (in the bf16 loop below), so that the next item's first blocks come
+   from memory while the current one's last blocks are worked on: otherwise every item
+   starts with a wait for its first blocks, and that a few dozen times a layer. */
+struct work_queue {
+    int64_t *taken;
+    int64_t total, split, per_item;
+    const int64_t *block_tables;
+    int64_t table_stride;
+    const int64_t *context_lens;
+    int64_t block_size;
+};
+
+/* A thread's next item (item >= total: none left), and the first of its blocks whose rows
+   were fetched while the item before it ran (blocks [covered, FETCH_AHEAD) are; covered ==
+   FETCH_AHEAD: none). */
+struct next_item {
+    int64_t item, covered;
+};
+
+static inline int64_t take_item(const struct work_queue *q) {
+    return __atomic_fetch_add(q->taken, 1, __ATOMIC_RELAXED);
+}
+
 /* Floats of work a query head needs in the bf16 loop below: its 16 probabilities of a
    chunk, their factor, the running max and the running sum (cpu_decode_typed.h sizes
    the work buffers from it). */
@@ -54,9 +83,6 @@ static inline void softmax_rows(float *scores, int64_t heads, int64_t len) {
 #include "cpu_avx512.h"
 #ifdef HAVE_DPBF16
 
-/* How many blocks ahead rows are fetched (1-3 within 4% on a Zen 4; 2 leaves room for a
-   slower memory). */
-#define FETCH_AHEAD 2
 
 /* Lane i of the result: the sum of v[i]'s 16 lanes. */
 static inline __attribute__((always_inline)) __m512 sum16_lanes(const __m512 *v) {
@@ -129,7 +155,9 @@ WEIGHTED_SUM(2, 128)
                                    const bf16_t *value_cache, const int64_t *table,       \
                                    int64_t bs, int64_t row, int64_t h0, int64_t h1,       \
                                    int64_t groups, int64_t len, float scale,              \
-                                   float *restrict work, float *restrict acc) {           \
+                                   float *restrict work, float *restrict acc,             \
+                                   const struct work_queue *queue,                        \
+                                   struct next_item *next) {                              \
         const int64_t heads = (h1 - h0) * groups, nbytes = (h1 - h0) * HD * 2;            \
         /* this chunk's probabilities [heads, 16]; per head: the factor its sums take   \
            for the chunk's new max, the running max and the running sum */                \
@@ -140,16 +168,36 @@ WEIGHTED_SUM(2, 128)
         const int64_t nblocks = (len + bs - 1) / bs;                                      \
         /* every row of a chunk is prefetched once: K's 16, then V's, a few per head */   \
         const int64_t per_head = (32 + heads - 1) / heads;                                \
-        for (int64_t b = 0; b < nblocks && b < FETCH_AHEAD; b++)                          \
+        for (int64_t b = 0; b < nblocks && b < FETCH_AHEAD && b < next->covered; b++)     \
             for (int64_t i = 0; i < bs; i++) {                                            \
                 prefetch_row(key_cache + (table[b] * bs + i) * row + h0 * HD, nbytes);     \
                 prefetch_row(value_cache + (table[b] * bs + i) * row + h0 * HD, nbytes);   \
             }                                                                             \
+        /* the next item: taken at block `take`, its blocks fetched from then on as if    \
+           they followed this item's */                                                   \
+        const int64_t take = nblocks > FETCH_AHEAD ? nblocks - FETCH_AHEAD : 0;           \
+        const int64_t *next_table = NULL;                                                 \
+        int64_t next_blocks = 0, next_h0 = 0;                                             \
+        next->item = queue->total, next->covered = FETCH_AHEAD;                           \
         for (int64_t b = 0; b < nblocks; b++) {                                           \
             const int64_t n = len - b * bs < bs ? len - b * bs : bs;                      \
             const bf16_t *k = key_cache + table[b] * bs * row + h0 * HD;                  \
             const bf16_t *v = value_cache + table[b] * bs * row + h0 * HD;                \
-            const int64_t ahead = b + FETCH_AHEAD < nblocks ? table[b + FETCH_AHEAD] : -1; \
+            if (b == take) {                                                              \
+                next->item = take_item(queue);                                            \
+                if (next->item < queue->total) {                                          \
+                    const int64_t ns = next->item / queue->split;                         \
+                    next_table = queue->block_tables + ns * queue->table_stride;          \
+                    next_blocks = (queue->context_lens[ns] + bs - 1) / bs;                \
+                    next_h0 = (next->item % queue->split) * queue->per_item;              \
+                    next->covered = b + FETCH_AHEAD - nblocks;                            \
+                }                                                                         \
+            }                                                                             \
+            int64_t ahead = -1, ahead_h0 = h0;                                            \
+            if (b + FETCH_AHEAD < nblocks)                                                \
+                ahead = table[b + FETCH_AHEAD];                                           \
+            else if (b + FETCH_AHEAD - nblocks < next_blocks)                             \
+                ahead = next_table[b + FETCH_AHEAD - nblocks], ahead_h0 = next_h0;        \
             for (int64_t i0 = 0; i0 < n; i0 += 16) {                                      \
                 const int64_t nn = n - i0 < 16 ? n - i0 : 16;                             \
                 /* rows past the context hold stale values: their scores -inf, their     \
@@ -159,7 +207,8 @@ WEIGHTED_SUM(2, 128)
                     if (ahead >= 0)                                                       \
                         for (int64_t r = j * per_head; r < (j + 1) * per_head && r < 32; r++) \
                             prefetch_row((r < 16 ? key_cache : value_cache) +              \
-                                            (ahead * bs + i0 + (r & 15)) * row + h0 * HD, \
+                                            (ahead * bs + i0 + (r & 15)) * row +          \
+                                            ahead_h0 * HD,                                \
                                         nbytes);                                          \
                     const __m512 s = _mm512_mask_mov_ps(                                  \
                         _mm512_set1_ps(-INFINITY), valid,                                 \

@@ -74,9 +74,12 @@ static inline __attribute__((always_inline)) void SFX(attend_impl)(
     for (int64_t i = 0; i < heads * hd; i++) o[i] = SFX(st)(acc[i]);
 }
 
-/* Head dims the models use get a loop of known length (unrolled, in registers). */
+/* Head dims the models use get a loop of known length (unrolled, in registers). The bf16
+   loop takes the thread's next item from `queue` into `next` as it nears its end; the
+   others leave `next` for the caller to fill. */
 static void SFX(attend)(const SFX(Args) *a, int64_t s, int64_t h0, int64_t h1,
-                     float *restrict scores, float *restrict acc, float *restrict vrow) {
+                     float *restrict scores, float *restrict acc, float *restrict vrow,
+                     const struct work_queue *queue, struct next_item *next) {
 #ifdef HAVE_DPBF16
     if (sizeof(scalar_t) == sizeof(bf16_t) && a->block_size >= 16 &&
         (a->head_dim == 64 || a->head_dim == 128)) {
@@ -87,10 +90,10 @@ static void SFX(attend)(const SFX(Args) *a, int64_t s, int64_t h0, int64_t h1,
         const int64_t row = a->num_kv_heads * a->head_dim, len = a->context_lens[s];
         if (a->head_dim == 64)
             attend_dpbf16_64(q, kc, vc, table, a->block_size, row, h0, h1, groups, len,
-                             a->scale, scores, acc);
+                             a->scale, scores, acc, queue, next);
         else
             attend_dpbf16_128(q, kc, vc, table, a->block_size, row, h0, h1, groups, len,
-                              a->scale, scores, acc);
+                              a->scale, scores, acc, queue, next);
         scalar_t *o = a->out + (s * a->num_heads + h0 * groups) * a->head_dim;
         for (int64_t i = 0; i < (h1 - h0) * groups * a->head_dim; i++) o[i] = SFX(st)(acc[i]);
         return;
@@ -101,6 +104,7 @@ static void SFX(attend)(const SFX(Args) *a, int64_t s, int64_t h0, int64_t h1,
     case 128: SFX(attend_impl)(a, s, h0, h1, scores, acc, vrow, 128); break;
     default: SFX(attend_impl)(a, s, h0, h1, scores, acc, vrow, a->head_dim);
     }
+    next->item = take_item(queue), next->covered = FETCH_AHEAD;
 }
 
 /* query [S, H, D] (rows q_stride apart, heads contiguous); key/value cache
@@ -120,6 +124,9 @@ int SFX(paged_decode_attention)(
     const int64_t split = num_seqs >= 4 * num_threads ? 1 : num_kv_heads;
     const int64_t per_item = num_kv_heads / split;
     int failed = 0;
+    int64_t taken = 0;
+    const struct work_queue queue = {&taken, num_seqs * split, split, per_item, block_tables,
+                                     table_stride, context_lens, block_size};
 #pragma omp parallel num_threads(num_threads)
     {
         /* scores [heads, width], and at least the bf16 loop's work */
@@ -130,12 +137,12 @@ int SFX(paged_decode_attention)(
 #pragma omp atomic write
             failed = 1;
         }
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < num_seqs * split; item++) {
-            const int64_t s = item / split, h0 = (item % split) * per_item;
-            if (scores != NULL)
-                SFX(attend)(&a, s, h0, h0 + per_item, scores, scores + heads * width,
-                         scores + heads * (width + head_dim));
+        /* items one at a time from the queue (see struct work_queue) */
+        struct next_item next = {take_item(&queue), FETCH_AHEAD};
+        while (scores != NULL && next.item < queue.total) {
+            const int64_t s = next.item / split, h0 = (next.item % split) * per_item;
+            SFX(attend)(&a, s, h0, h0 + per_item, scores, scores + heads * width,
+                     scores + heads * (width + head_dim), &queue, &next);
         }
         free(scores);
     }

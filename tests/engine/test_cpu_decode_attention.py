@@ -213,6 +213,41 @@ def test_bf16_kernel_matches_float32_attention_over_the_same_values(
     assert (out == exact.bfloat16()).float().mean() > 0.98
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("lens", "num_heads", "num_kv_heads", "head_dim"),
+    [
+        # whole sequences per work item, some shorter than the blocks the loop fetches ahead
+        ([1, 40, 17, 5, 300, 16, 33, 2, 90, 64, 15, 200, 31, 7], 9, 3, 64),
+        ([3, 129, 48], 8, 2, 128),  # few sequences: one KV head per work item
+    ],
+)
+def test_any_number_of_threads_gives_the_same_output(
+    lens: list[int], num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> None:
+    """Work items go to the threads one at a time (each taking its next one, and fetching
+    its first blocks, before it ends the current): every item is done once, by whichever
+    thread, so the output is the same bits with 1 to 5 threads, and the reference's."""
+    key_cache, value_cache, tables, _, _ = _layout(lens, 16, num_kv_heads, head_dim, seed=11)
+    key_cache, value_cache = key_cache.to(dtype), value_cache.to(dtype)
+    query = torch.randn(len(lens), num_heads, head_dim).to(dtype)
+    context_lens = torch.tensor(lens)
+    threads = torch.get_num_threads()
+    outs = []
+    try:
+        for n in (1, 2, 3, 5):
+            torch.set_num_threads(n)
+            outs.append(cpu_decode.paged_decode_attention(
+                query, key_cache, value_cache, tables, context_lens, max(lens), 0.125))
+    finally:
+        torch.set_num_threads(threads)
+    for out in outs[1:]:
+        torch.testing.assert_close(out, outs[0], rtol=0, atol=0)
+    exact = ref.paged_decode_attention(query.float(), key_cache.float(), value_cache.float(),
+                                       tables, context_lens, 0.125)
+    torch.testing.assert_close(outs[0].float(), exact, rtol=2**-8 + 1e-5, atol=1e-5)
+
+
 def test_other_dtypes_keep_the_torch_path() -> None:
     assert not cpu_decode.available(torch.device("cpu"), torch.float16)
     assert not cpu_decode.available(torch.device("meta"), torch.float32)
