@@ -76,12 +76,20 @@ def run_quant_kernels(options: QuantKernelsOptions) -> dict[str, dict[str, float
         quantized = [cpu_quant.quantize(w, bits, group) for w in flat]
         ways[f"ours int{bits}"] = [(torch.float32, lambda x, q=q: cpu_quant.linear(x, q))
                                    for q in quantized]
+        if bits == 8:  # bf16 rows: how int8 runs at bf16 without AVX-512 VNNI
+            ways["ours int8 (bf16 rows)"] = [
+                (torch.bfloat16, lambda x, q=q: cpu_quant.linear(x, q)) for q in quantized]
     if cpu_gemm.available():
         # What an unquantized bf16 model's linears run on AVX-512 BF16 CPUs.
         packed_bf16 = [cpu_gemm.pack_weight(w.to(torch.bfloat16)) for w in flat]
         ways["ours bf16 (unquantized)"] = [
             (torch.bfloat16, lambda x, p=p, n=w.shape[0]: cpu_gemm.linear(x, p, n))
             for p, w in zip(packed_bf16, flat, strict=True)]
+    # int8 as served at bf16 on VNNI CPUs: the same integers against 16-bit activations.
+    ways["ours int8, wide activations (bf16)"] = [
+        (torch.bfloat16, lambda x, q=q: cpu_qdot.linear(x, q))
+        for q in (cpu_qdot.pack(*cpu_quant.quantize_integers(w, 8, None)[:2], wide=True)
+                  for w in flat)]
     # w8a8: int8 weights and int8 activations (bf16 rows in, as served on VNNI CPUs).
     ways["ours w8a8 (bf16)"] = [
         (torch.bfloat16, lambda x, q=q: cpu_qdot.linear(x, q))

@@ -24,6 +24,27 @@
    (the two scales multiplied, then one fused multiply-add) (+ bias[n]). The generic loops compute
    the same operations in the same order, so every build gives the same bits.
 
+   Wide activations (`--quantization int8` at bf16 on AVX-512 VNNI: weight-only in its
+   precision): the same weights per output channel, and each row of x as 16-bit integers,
+   one scale per row: s = max |x| / 32767, a = round(x / s) (to nearest even) in
+   -32767..32767, split a = 256 hi + lo with hi = a >> 8 in -128..127 and lo = a & 255,
+   stored lo - 128 so that both halves are signed bytes. Two exact int32 sums per column,
+   over every input (no groups):
+
+       H = sum (q + 128) hi - 128 sum(hi)                       = sum q hi
+       L = sum (q + 128) (lo - 128) - 128 sum(lo - 128) + 128 sum(q)  = sum q lo
+
+   (sum(q), the column's, kept with the weights), and in float32
+
+       y[t][n] = (H * 256 + L) * s[t] * sw[n]  (+ bias[n])
+
+   (one fused multiply-add for H * 256 + L, then the row's scale, then the channel's,
+   multiplied or fused with the bias). Against bf16 inputs a 16-bit grid per row is finer
+   than the inputs themselves wherever an input is within 2^7 of its row's largest, so the
+   product is the dequantized weights' within float32 rounding: two vpdpbusd a 4-input step
+   for 64 multiply-adds, the bf16 dot product's rate, on half its weight bytes and with no
+   conversion of the integers.
+
    VNNI path: each thread takes units of three column blocks (the rest one block at a
    time) and runs tiles of 4, 2 and 1 rows against a unit: 12 int32 sums for the group in
    registers, 12 float32 totals beside them. Rows are taken 128 at a time, so that a
@@ -94,6 +115,98 @@ static void quantize_row(const void *x, int bf16, int64_t K, int64_t ag, int8_t 
         comp[g] = -128 * sum;
         sx[g] = s;
     }
+}
+
+/* One row of x as 16-bit integers split in bytes (see "Wide activations" above): xh[K],
+   xl[K] (lo - 128), their sums per group of ag inputs (K / ag of each), the row's scale. A row of zeros gets the scale 0; a row
+   holding a NaN or an infinity a NaN scale and integers 0, so its outputs come out NaN.
+   K at most 32,768 (QDOT16_MAX_K): every int32 sum, with its start, stays in range. */
+#ifdef HAVE_VNNI
+/* 16 inputs from k of a bf16 or float32 row, as float32. */
+static inline __attribute__((always_inline)) __m512 load16(const void *x, int bf16, int64_t k) {
+    return bf16 ? widen16_bf16((const bf16_t *)x + k) : _mm512_loadu_ps((const float *)x + k);
+}
+
+/* quantize_row16 16 lanes at a time (K a multiple of 16), the same operations lane by lane:
+   the same integers. The scalar loop took most of a 32-row step's time at K = 576. */
+static void quantize_row16_x16(const void *x, int bf16, int64_t K, int64_t ag, int8_t *xh,
+                               int8_t *xl, int32_t *hsum, int32_t *lsum, float *sx) {
+    const __m512 sign = _mm512_set1_ps(-0.0f);
+    __m512 amax = _mm512_setzero_ps();
+    __mmask16 bad = 0;
+    for (int64_t k = 0; k < K; k += 16) {
+        const __m512 a = _mm512_andnot_ps(sign, load16(x, bf16, k));
+        bad |= _mm512_cmp_ps_mask(a, _mm512_set1_ps(3.4028235e38f), _CMP_NLE_UQ);
+        amax = _mm512_max_ps(amax, a);
+    }
+    const float s = bad ? NAN : _mm512_reduce_max_ps(amax) / 32767.0f;
+    if (!(s > 0.0f) || bad) {
+        memset(xh, 0, (size_t)K);
+        memset(xl, -128, (size_t)K);
+        for (int64_t g = 0; g * ag < K; g++) hsum[g] = 0, lsum[g] = (int32_t)(-128 * ag);
+        *sx = s;
+        return;
+    }
+    const __m512 vs = _mm512_set1_ps(s), top = _mm512_set1_ps(32767.0f);
+    __m512i hs = _mm512_setzero_si512(), ls = _mm512_setzero_si512();
+    for (int64_t k = 0; k < K; k += 16) {
+        if (k % ag == 0 && k > 0) { /* a group done */
+            hsum[k / ag - 1] = _mm512_reduce_add_epi32(hs);
+            lsum[k / ag - 1] = _mm512_reduce_add_epi32(ls);
+            hs = ls = _mm512_setzero_si512();
+        }
+        __m512 r = _mm512_roundscale_ps(_mm512_div_ps(load16(x, bf16, k), vs),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        r = _mm512_max_ps(_mm512_min_ps(r, top), _mm512_sub_ps(_mm512_setzero_ps(), top));
+        const __m512i a = _mm512_cvtps_epi32(r);
+        const __m512i hi = _mm512_srai_epi32(a, 8);
+        const __m512i lo = _mm512_sub_epi32(_mm512_and_si512(a, _mm512_set1_epi32(255)),
+                                            _mm512_set1_epi32(128));
+        _mm_storeu_si128((__m128i *)(xh + k), _mm512_cvtepi32_epi8(hi));
+        _mm_storeu_si128((__m128i *)(xl + k), _mm512_cvtepi32_epi8(lo));
+        hs = _mm512_add_epi32(hs, hi);
+        ls = _mm512_add_epi32(ls, lo);
+    }
+    hsum[K / ag - 1] = _mm512_reduce_add_epi32(hs);
+    lsum[K / ag - 1] = _mm512_reduce_add_epi32(ls);
+    *sx = s;
+}
+#endif
+
+static void quantize_row16(const void *x, int bf16, int64_t K, int64_t ag, int8_t *xh,
+                           int8_t *xl, int32_t *hsum, int32_t *lsum, float *sx) {
+#ifdef HAVE_VNNI
+    if (ag % 16 == 0) {
+        quantize_row16_x16(x, bf16, K, ag, xh, xl, hsum, lsum, sx);
+        return;
+    }
+#endif
+    float amax = 0.0f;
+    int bad = 0;
+    for (int64_t k = 0; k < K; k++) {
+        const float a = fabsf(bf16 ? ld_bf16(((const bf16_t *)x)[k]) : ((const float *)x)[k]);
+        amax = a > amax ? a : amax;
+        bad |= !(a <= 3.4028235e38f); /* NaN or infinity */
+    }
+    const float s = bad ? NAN : amax / 32767.0f;
+    for (int64_t g = 0; g * ag < K; g++) hsum[g] = 0, lsum[g] = 0;
+    if (s > 0.0f && !bad) {
+        for (int64_t k = 0; k < K; k++) {
+            const float v = bf16 ? ld_bf16(((const bf16_t *)x)[k]) : ((const float *)x)[k];
+            float r = nearbyintf(v / s);
+            r = r > 32767.0f ? 32767.0f : (r < -32767.0f ? -32767.0f : r);
+            const int32_t a = (int32_t)r;
+            xh[k] = (int8_t)(a >> 8); /* arithmetic: floor(a / 256) */
+            xl[k] = (int8_t)((a & 255) - 128);
+            hsum[k / ag] += xh[k];
+            lsum[k / ag] += xl[k];
+        }
+    } else { /* every a = 0: hi 0, lo - 128 = -128 */
+        memset(xh, 0, (size_t)K);
+        memset(xl, -128, (size_t)K);
+        for (int64_t g = 0; g * ag < K; g++) lsum[g] = (int32_t)(-128 * ag);
+    }
+    *sx = s;
 }
 
 static inline float finish(float total, float scale, const float *bias, int64_t n) {
@@ -200,6 +313,189 @@ DEFINE_TILE(1, 1)
 #undef EACH
 #undef BLOCKS
 
+/* Wide activations: R rows (xh, xl at the tile's first row, K apart; their start values
+   h0, l0) against C blocks of 16 columns (wb, wstride bytes apart; colsum, sw, bias at the
+   first block's first column), into y. Two int32 sums a row and block: 4 x 2 x 2 = 16. */
+#define W_DECL(r, c) __m512i h##r##c = hstart##r, l##r##c = _mm512_add_epi32(lstart##r, cq##c);
+#define W_DOT(r, c)                                                                         \
+    h##r##c = _mm512_dpbusd_epi32(h##r##c, w##c, bh##r);                                    \
+    l##r##c = _mm512_dpbusd_epi32(l##r##c, w##c, bl##r);
+#define W_OUT(r, c)                                                                         \
+    {                                                                                       \
+        const __m512 t = _mm512_mul_ps(                                                     \
+            _mm512_fmadd_ps(_mm512_cvtepi32_ps(h##r##c), _mm512_set1_ps(256.0f),            \
+                            _mm512_cvtepi32_ps(l##r##c)),                                   \
+            _mm512_set1_ps(sx[r]));                                                         \
+        store16_out(y, y_bf16, (r) * y_stride + (c) * CB,                                   \
+                    bias != NULL ? _mm512_fmadd_ps(t, sw##c, bv##c) : _mm512_mul_ps(t, sw##c)); \
+    }
+#define WR_START(r)                                                                         \
+    const __m512i hstart##r = _mm512_set1_epi32(-128 * hsum[r]);                            \
+    const __m512i lstart##r = _mm512_set1_epi32(-128 * lsum[r]);
+#define WR_DECL(r) EACH(W_DECL, r)
+#define WR_DOT(r)                                                                           \
+    const __m512i bh##r = _mm512_set1_epi32(ld_i32(xh + (r) * K + k));                      \
+    const __m512i bl##r = _mm512_set1_epi32(ld_i32(xl + (r) * K + k));                      \
+    EACH(W_DOT, r)
+#define WR_OUT(r) EACH(W_OUT, r)
+#define WB_COLSUM(c)                                                                        \
+    const __m512i cq##c = _mm512_slli_epi32(_mm512_loadu_si512(colsum + (c) * CB), 7);
+#define WB_SCALE(c)                                                                         \
+    const __m512 sw##c = _mm512_loadu_ps(sw + (c) * CB);                                    \
+    const __m512 bv##c = bias != NULL ? _mm512_loadu_ps(bias + (c) * CB) : _mm512_setzero_ps();
+
+#define DEFINE_WIDE_TILE(R, C)                                                              \
+    static inline __attribute__((always_inline)) void wide_##R##x##C(                       \
+        const int8_t *restrict xh, const int8_t *restrict xl, const int32_t *restrict hsum, \
+        const int32_t *restrict lsum, const float *restrict sx, int64_t K,                  \
+        const uint8_t *restrict wb, int64_t wstride, const int32_t *restrict colsum,        \
+        const float *restrict sw, const float *restrict bias, void *y, int64_t y_stride,    \
+        int y_bf16) {                                                                       \
+        BLOCKS(WB_COLSUM)                                                                   \
+        ROWS_##R(WR_START)                                                                  \
+        ROWS_##R(WR_DECL)                                                                   \
+        for (int64_t k = 0; k < K; k += 4) {                                                \
+            BLOCKS(B_LOAD)                                                                  \
+            ROWS_##R(WR_DOT)                                                                \
+        }                                                                                   \
+        BLOCKS(WB_SCALE)                                                                    \
+        ROWS_##R(WR_OUT)                                                                    \
+    }
+
+#define EACH_2(M, r) M(r, 0) M(r, 1)
+#define BLOCKS_2(M) M(0) M(1)
+#define EACH EACH_2
+#define BLOCKS BLOCKS_2
+DEFINE_WIDE_TILE(4, 2)
+DEFINE_WIDE_TILE(2, 2)
+DEFINE_WIDE_TILE(1, 2)
+#undef EACH
+#undef BLOCKS
+#define EACH EACH_1
+#define BLOCKS BLOCKS_1
+DEFINE_WIDE_TILE(4, 1)
+DEFINE_WIDE_TILE(2, 1)
+DEFINE_WIDE_TILE(1, 1)
+#undef EACH
+#undef BLOCKS
+
+/* Wide activations, grouped weights: R rows against one block of 16 columns whose scales
+   are per group of ag inputs (gsc [G][16], colsum [G][16]). Per group the two sums are
+   combined exactly in int32 (H * 256 + L: ag <= 256 keeps it in range), converted, and
+   added times the group's scale (a fused multiply-add each, in group order); then times
+   the row's scale, fused with the bias where there is one. */
+#define WG_DECL(r) __m512 f##r = _mm512_setzero_ps(); __m512i h##r, l##r;
+#define WG_START(r)                                                                         \
+    h##r = _mm512_set1_epi32(-128 * hsum[(r) * G + g]);                                     \
+    l##r = _mm512_add_epi32(_mm512_set1_epi32(-128 * lsum[(r) * G + g]), cq);
+#define WG_DOT(r)                                                                           \
+    h##r = _mm512_dpbusd_epi32(h##r, w0, _mm512_set1_epi32(ld_i32(xh + (r) * K + k)));       \
+    l##r = _mm512_dpbusd_epi32(l##r, w0, _mm512_set1_epi32(ld_i32(xl + (r) * K + k)));
+#define WG_ADD(r)                                                                           \
+    f##r = _mm512_fmadd_ps(                                                                 \
+        _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(h##r, 8), l##r)), gs, f##r);
+#define WG_OUT(r)                                                                           \
+    {                                                                                       \
+        const __m512 s = _mm512_set1_ps(sx[r]);                                             \
+        store16_out(y, y_bf16, (r) * y_stride,                                              \
+                    bias != NULL ? _mm512_fmadd_ps(f##r, s, bv) : _mm512_mul_ps(f##r, s));  \
+    }
+#define DEFINE_WIDE_GROUPED_TILE(R)                                                         \
+    static inline __attribute__((always_inline)) void wide_grouped_##R(                     \
+        const int8_t *restrict xh, const int8_t *restrict xl, const int32_t *restrict hsum, \
+        const int32_t *restrict lsum, const float *restrict sx, int64_t K, int64_t ag,      \
+        const uint8_t *restrict wb, const int32_t *restrict colsum,                         \
+        const float *restrict gsc, const float *restrict bias, void *y, int64_t y_stride,   \
+        int y_bf16) {                                                                       \
+        const int64_t G = K / ag;                                                           \
+        ROWS_##R(WG_DECL)                                                                   \
+        for (int64_t g = 0; g < G; g++) {                                                   \
+            const __m512i cq = _mm512_slli_epi32(_mm512_loadu_si512(colsum + g * CB), 7);   \
+            const __m512 gs = _mm512_loadu_ps(gsc + g * CB);                                \
+            ROWS_##R(WG_START)                                                              \
+            for (int64_t k = g * ag; k < (g + 1) * ag; k += 4) {                            \
+                const __m512i w0 = _mm512_loadu_si512(wb + k * CB);                         \
+                ROWS_##R(WG_DOT)                                                            \
+            }                                                                               \
+            ROWS_##R(WG_ADD)                                                                \
+        }                                                                                   \
+        const __m512 bv = bias != NULL ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();      \
+        ROWS_##R(WG_OUT)                                                                    \
+    }
+DEFINE_WIDE_GROUPED_TILE(4)
+DEFINE_WIDE_GROUPED_TILE(2)
+DEFINE_WIDE_GROUPED_TILE(1)
+
+/* Wide activations: rows [r0, r1) against `nblocks` (2 or 1) blocks from block b. */
+static void wide_unit(const int8_t *xh, const int8_t *xl, const int32_t *hsum,
+                      const int32_t *lsum, const float *sx, int64_t K, const uint8_t *w,
+                      const int32_t *colsum, const float *sw, const float *bias, int64_t b,
+                      int nblocks, void *y, int64_t y_stride, int y_bf16, int64_t r0,
+                      int64_t r1) {
+    const int64_t wstride = K * CB;
+    const uint8_t *wb = w + b * wstride;
+    const size_t out_size = y_bf16 ? sizeof(bf16_t) : sizeof(float);
+    const float *bb = bias != NULL ? bias + b * CB : NULL;
+    int64_t r = r0;
+#define AT(r) xh + (r) * K, xl + (r) * K, hsum + (r), lsum + (r), sx + (r), K, wb, wstride,  \
+              colsum + b * CB, sw + b * CB, bb,                                             \
+              (char *)y + ((r) * y_stride + b * CB) * (int64_t)out_size, y_stride, y_bf16
+    if (nblocks == 2) {
+        for (; r + 4 <= r1; r += 4) wide_4x2(AT(r));
+        if (r + 2 <= r1) wide_2x2(AT(r)), r += 2;
+        if (r < r1) wide_1x2(AT(r));
+    } else {
+        for (; r + 4 <= r1; r += 4) wide_4x1(AT(r));
+        if (r + 2 <= r1) wide_2x1(AT(r)), r += 2;
+        if (r < r1) wide_1x1(AT(r));
+    }
+#undef AT
+}
+
+/* Grouped: rows [r0, r1) against block b (one block a unit). */
+static void wide_grouped_unit(const int8_t *xh, const int8_t *xl, const int32_t *hsum,
+                              const int32_t *lsum, const float *sx, int64_t K, int64_t ag,
+                              const uint8_t *w, const int32_t *colsum, const float *sw,
+                              const float *bias, int64_t b, void *y, int64_t y_stride,
+                              int y_bf16, int64_t r0, int64_t r1) {
+    const int64_t G = K / ag;
+    const size_t out_size = y_bf16 ? sizeof(bf16_t) : sizeof(float);
+    int64_t r = r0;
+#define AT(r) xh + (r) * K, xl + (r) * K, hsum + (r) * G, lsum + (r) * G, sx + (r), K, ag,   \
+              w + b * K * CB, colsum + b * G * CB, sw + b * G * CB,                         \
+              bias != NULL ? bias + b * CB : NULL,                                          \
+              (char *)y + ((r) * y_stride + b * CB) * (int64_t)out_size, y_stride, y_bf16
+    for (; r + 4 <= r1; r += 4) wide_grouped_4(AT(r));
+    if (r + 2 <= r1) wide_grouped_2(AT(r)), r += 2;
+    if (r < r1) wide_grouped_1(AT(r));
+#undef AT
+}
+
+static void wide_gemm(const int8_t *xh, const int8_t *xl, const int32_t *hsum,
+                      const int32_t *lsum, const float *sx, int64_t T, int64_t K, int64_t ag,
+                      const uint8_t *w, const int32_t *colsum, const float *sw, int grouped,
+                      const float *bias, int64_t N, void *y, int64_t y_stride, int y_bf16,
+                      int64_t num_threads) {
+    const int64_t nb = N / CB, pairs = nb / 2, units = grouped ? nb : pairs + nb % 2;
+#pragma omp parallel num_threads(num_threads)
+    {
+        const int64_t nt = omp_get_num_threads(), id = omp_get_thread_num();
+        const int64_t u0 = units * id / nt, u1 = units * (id + 1) / nt;
+        for (int64_t r0 = 0; r0 < T; r0 += ROW_CHUNK) {
+            const int64_t r1 = r0 + ROW_CHUNK < T ? r0 + ROW_CHUNK : T;
+            for (int64_t u = u0; u < u1; u++) {
+                if (grouped)
+                    wide_grouped_unit(xh, xl, hsum, lsum, sx, K, ag, w, colsum, sw, bias, u,
+                                      y, y_stride, y_bf16, r0, r1);
+                else
+                    wide_unit(xh, xl, hsum, lsum, sx, K, w, colsum, sw, bias,
+                              u < pairs ? 2 * u : 2 * pairs, u < pairs ? 2 : 1, y, y_stride,
+                              y_bf16, r0, r1);
+            }
+        }
+    }
+}
+
 /* Rows [r0, r1) against `nblocks` (3 or 1) blocks from block b. */
 static inline __attribute__((always_inline)) void run_blocks(
     const int8_t *xq, const int32_t *comp, const float *sx, int64_t K, int64_t ag,
@@ -292,6 +588,42 @@ static void gemm(const int8_t *xq, const int32_t *comp, const float *sx, int64_t
     }
 }
 
+static void wide_gemm(const int8_t *xh, const int8_t *xl, const int32_t *hsum,
+                      const int32_t *lsum, const float *sx, int64_t T, int64_t K, int64_t ag,
+                      const uint8_t *w, const int32_t *colsum, const float *sw, int grouped,
+                      const float *bias, int64_t N, void *y, int64_t y_stride, int y_bf16,
+                      int64_t num_threads) {
+    const int64_t G = K / ag;
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const uint8_t *wb = w + (n / CB) * K * CB + (n % CB) * 4;
+        /* grouped: group g's scale and column sum at [(n / CB) * G + g][n % CB] */
+        const int64_t at = (n / CB) * G * CB + n % CB;
+        for (int64_t t = 0; t < T; t++) {
+            const int8_t *h = xh + t * K, *l = xl + t * K;
+            float total = 0.0f;
+            for (int64_t g = 0; g < G; g++) {
+                int32_t hs = -128 * hsum[t * G + g];
+                int32_t ls = -128 * lsum[t * G + g] + 128 * colsum[grouped ? at + g * CB : n];
+                for (int64_t k = g * ag; k < (g + 1) * ag; k += 4) {
+                    const uint8_t *q = wb + k * CB;
+                    for (int j = 0; j < 4; j++) {
+                        hs += (int32_t)q[j] * h[k + j];
+                        ls += (int32_t)q[j] * l[k + j];
+                    }
+                }
+                if (grouped)
+                    total = fmaf((float)(hs * 256 + ls), sw[at + g * CB], total);
+                else
+                    total = fmaf((float)hs, 256.0f, (float)ls) * sx[t];
+            }
+            const float out = grouped ? finish(total, sx[t], bias, n)
+                                      : finish(total, sw[n], bias, n);
+            store_out(y, y_bf16, t * y_stride + n, out);
+        }
+    }
+}
+
 #endif /* HAVE_VNNI */
 
 /* The activations' buffer of the calling thread (xq, comp, sx), grown as needed and kept:
@@ -304,6 +636,47 @@ static pthread_once_t scratch_once = PTHREAD_ONCE_INIT;
 
 static void make_scratch_key(void) { (void)pthread_key_create(&scratch_key, free); }
 
+/* The scratch buffer of the calling thread, at least `need` bytes (NULL: out of memory). */
+static void *thread_scratch(size_t need) {
+    if (need > scratch_size) {
+        void *grown = NULL;
+        if (posix_memalign(&grown, 64, need) != 0) return NULL;
+        free(scratch);
+        scratch = grown;
+        scratch_size = need;
+        pthread_once(&scratch_once, make_scratch_key);
+        (void)pthread_setspecific(scratch_key, scratch);
+    }
+    return scratch;
+}
+
+/* y [T][N] = x [T][K] times the packed weights with wide activations (see the top): the
+   weights per output channel (sw [N]) with their columns' integer sums colsum [N], or
+   grouped, per output channel and group of ag inputs (sw and colsum [N / 16][K / ag][16],
+   ag a multiple of 4 up to 256). K a multiple of 4 (and of ag) up to 32,768, N of 16. Returns 0, or 1 when the activations' buffer could
+   not be allocated. */
+int qdot16_linear(const void *x, int64_t x_stride, int x_bf16, int64_t T, int64_t K,
+                  int64_t ag, const uint8_t *w, const float *sw, const int32_t *colsum,
+                  int grouped, const float *bias, int64_t N, void *y, int64_t y_stride,
+                  int y_bf16, int64_t num_threads) {
+    const int64_t G = K / ag;
+    const size_t row_bytes = ((size_t)(T * K) + 63) & ~(size_t)63;
+    char *buf = (char *)thread_scratch(2 * row_bytes +
+                                       (size_t)T * (2 * G * sizeof(int32_t) + sizeof(float)));
+    if (buf == NULL) return 1;
+    int8_t *xh = (int8_t *)buf, *xl = (int8_t *)(buf + row_bytes);
+    int32_t *hsum = (int32_t *)(buf + 2 * row_bytes), *lsum = hsum + T * G;
+    float *sx = (float *)(lsum + T * G);
+    const size_t in_size = x_bf16 ? sizeof(bf16_t) : sizeof(float);
+#pragma omp parallel for num_threads(T * K >= 65536 ? num_threads : 1) schedule(static)
+    for (int64_t t = 0; t < T; t++)
+        quantize_row16((const char *)x + t * x_stride * (int64_t)in_size, x_bf16, K, ag,
+                       xh + t * K, xl + t * K, hsum + t * G, lsum + t * G, sx + t);
+    wide_gemm(xh, xl, hsum, lsum, sx, T, K, ag, w, colsum, sw, grouped, bias, N, y, y_stride,
+              y_bf16, num_threads);
+    return 0;
+}
+
 /* y [T][N] (row stride y_stride, float32 or bf16) = x [T][K] (row stride x_stride) times
    the packed weights, as described at the top (grouped: sw holds a scale per group of ag
    inputs). K a multiple of ag, ag of 4, N of 16. Returns 0, or 1 when the activations'
@@ -314,15 +687,7 @@ int qdot_linear(const void *x, int64_t x_stride, int x_bf16, int64_t T, int64_t 
     const int64_t G = K / ag;
     const size_t xq_bytes = ((size_t)(T * K) + 63) & ~(size_t)63;
     const size_t need = xq_bytes + (size_t)(T * G) * (sizeof(int32_t) + sizeof(float));
-    if (need > scratch_size) {
-        void *grown = NULL;
-        if (posix_memalign(&grown, 64, need) != 0) return 1;
-        free(scratch);
-        scratch = grown;
-        scratch_size = need;
-        pthread_once(&scratch_once, make_scratch_key);
-        (void)pthread_setspecific(scratch_key, scratch);
-    }
+    if (thread_scratch(need) == NULL) return 1;
     int8_t *xq = (int8_t *)scratch;
     int32_t *comp = (int32_t *)((char *)scratch + xq_bytes);
     float *sx = (float *)(comp + T * G);

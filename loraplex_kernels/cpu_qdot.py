@@ -14,6 +14,13 @@ instruction where `vdpbf16ps` does 32. Groups of 64 rather than one scale per ro
 activation scales raised the bundled SmolLM2's perplexity by 2.3%, groups of 64 by 0.4%
 (docs/BENCHMARKS.md, "w8a8").
 
+With `wide` weights (`pack(..., wide=True)`; what `--quantization int8` runs at bf16 on a CPU
+with AVX-512 VNNI) the activations are quantized per row to 16-bit integers instead, split
+into two bytes, and each column takes two integer sums: weight-only int8 in its precision
+(a 16-bit grid per row is finer than bf16 inputs near the row's largest), at the bf16 dot
+product's rate of multiply-adds, on half its weight bytes and with no conversion of the
+integers to floats (docs/BENCHMARKS.md, "int8 weights against 16-bit activations").
+
 `reference_linear` is the same computation in torch ops (float64 sums): what the kernel is
 tested against; `fake_quantize` is what the activations stand for, for a Hugging Face
 oracle, and, over the dequantized weights in float32, the fallback without a compiler.
@@ -36,6 +43,9 @@ from loraplex_kernels.cpu_build import SOURCE_DIR, LazyLibrary
 BLOCK = 16  # output columns per block of the layout
 ACT_GROUP = 64  # activations' inputs per scale, where the layer's inputs divide by it
 MAX_GROUP = 1024  # the most inputs of a group pack takes (the kernel's int32 sums hold them)
+WIDE_MAX_K = 32768  # the most inputs of a wide layer (its int32 sums hold them)
+WIDE_MAX_GROUP = 256  # the most inputs of a wide layer's group (H * 256 + L in int32)
+WIDE_LEVELS = 32767.0  # a wide row's integers: -32767..32767, max |x| / WIDE_LEVELS a step
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -44,6 +54,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.qdot_linear.argtypes = [ptr, i64, i32, i64, i64, i64, ptr, ptr, i32, ptr, i64, ptr,
                                 i64, i32, i64]
     lib.qdot_linear.restype = i32
+    lib.qdot16_linear.argtypes = [ptr, i64, i32, i64, i64, i64, ptr, ptr, ptr, i32, ptr, i64,
+                                  ptr, i64, i32, i64]
+    lib.qdot16_linear.restype = i32
 
 
 _library = LazyLibrary("cpu_qdot", SOURCE_DIR / "cpu_qdot.c", _declare).get
@@ -79,7 +92,8 @@ class QDotWeight:
 
     packed: uint8 [N / 16 * K / 4 * 64] (q + 128, blocks of 16 columns by 4 inputs);
     scales: float32 [N], one per output channel, or grouped [N / 16, K / act_group, 16], one
-    per output channel and group of act_group inputs."""
+    per output channel and group of act_group inputs; colsums: int32 [N], each column's
+    sum of q, where the activations are wide (16-bit integers per row), else None."""
 
     packed: torch.Tensor
     scales: torch.Tensor
@@ -87,8 +101,15 @@ class QDotWeight:
     in_features: int
     act_group: int
     grouped: bool = False
+    colsums: torch.Tensor | None = None
 
     bits = 8
+
+    @property
+    def wide(self) -> bool:
+        """Whether the activations are 16-bit integers per row (int8 weight-only), not int8
+        in groups (w8a8)."""
+        return self.colsums is not None
 
     @property
     def group_size(self) -> int:
@@ -104,18 +125,30 @@ class QDotWeight:
 
     @property
     def nbytes(self) -> int:
-        return self.packed.numel() + self.scales.numel() * 4
+        wide = 0 if self.colsums is None else self.colsums.numel() * 4
+        return self.packed.numel() + self.scales.numel() * 4 + wide
 
 
-def pack(q: torch.Tensor, scales: torch.Tensor, group: int | None = None) -> QDotWeight:
+def wide_fits(n: int, k: int) -> bool:
+    """Whether a [n, k] layer can hold wide activations."""
+    return n % BLOCK == 0 and k % 4 == 0 and 0 < k <= WIDE_MAX_K
+
+
+def pack(q: torch.Tensor, scales: torch.Tensor, group: int | None = None, *,
+         wide: bool = False) -> QDotWeight:
     """Integers q [N, K] (int8 in -127..127) with float scales [N] (or [N, 1]; with `group`
     [N, K / group], the activations then quantized in the same groups) -> the kernel's
-    layout. ValueError for shapes or values it cannot hold."""
+    layout; `wide`: per output channel only, the activations as 16-bit integers per row.
+    ValueError for shapes or values it cannot hold."""
     n, k = q.shape
     g = k if group is None else group
     grouped = g != k
     scales = scales.float().reshape(n, -1) if grouped else scales.reshape(-1).float()
     problems = []
+    if wide and grouped and g > WIDE_MAX_GROUP:
+        problems.append(f"groups of {g} (wide activations take at most {WIDE_MAX_GROUP})")
+    if wide and k > WIDE_MAX_K:
+        problems.append(f"{k} input features (wide activations take at most {WIDE_MAX_K})")
     if n % BLOCK:
         problems.append(f"{n} output features (a multiple of {BLOCK} is needed)")
     if k % 4:
@@ -136,8 +169,14 @@ def pack(q: torch.Tensor, scales: torch.Tensor, group: int | None = None) -> QDo
     packed = unsigned.reshape(n // BLOCK, BLOCK, k // 4, 4).permute(0, 2, 1, 3).contiguous()
     if grouped:
         blocked = scales.reshape(n // BLOCK, BLOCK, k // g).transpose(1, 2).contiguous()
-        return QDotWeight(packed.reshape(-1), blocked, n, k, g, grouped=True)
-    return QDotWeight(packed.reshape(-1), scales.contiguous(), n, k, act_group(k))
+        colsums = None
+        if wide:  # [N / 16, K / g, 16], as the scales
+            sums = qi.reshape(n, k // g, g).sum(-1, dtype=torch.int32)
+            colsums = sums.reshape(n // BLOCK, BLOCK, k // g).transpose(1, 2).contiguous()
+        return QDotWeight(packed.reshape(-1), blocked, n, k, g, grouped=True, colsums=colsums)
+    colsums = qi.sum(1, dtype=torch.int32).contiguous() if wide else None
+    return QDotWeight(packed.reshape(-1), scales.contiguous(), n, k,
+                      k if wide else act_group(k), colsums=colsums)
 
 
 def quantize(weight: torch.Tensor, group: int | None = None) -> QDotWeight:
@@ -180,6 +219,20 @@ def quantize_activations(x: torch.Tensor, group: int
     return q.reshape(shape), scale
 
 
+def quantize_activations16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., K] -> (integers [..., K] float32 in -32767..32767, scales [...]), as the wide
+    kernel quantizes each row: s = max |x| / 32767 (float32), round(x / s) to nearest even;
+    a row of zeros has s = 0 and zeros, a row with a NaN or an infinity a NaN scale."""
+    xf = x.float()
+    amax = xf.abs().amax(-1)
+    bad = ~torch.isfinite(xf).all(-1)
+    scale = torch.where(bad, torch.full_like(amax, float("nan")), amax / WIDE_LEVELS)
+    usable = (scale > 0) & ~bad
+    safe = torch.where(usable, scale, torch.ones_like(scale))
+    q = torch.round(xf / safe[..., None]).clamp_(-WIDE_LEVELS, WIDE_LEVELS)
+    return torch.where(usable[..., None], q, torch.zeros_like(q)), scale
+
+
 def fake_quantize(x: torch.Tensor, group: int) -> torch.Tensor:
     """The values x's int8 activations stand for (integers x scales), in x's dtype: what a
     float model's linear layers are fed to stand for this kernel's inputs."""
@@ -193,6 +246,17 @@ def reference_linear(x: torch.Tensor, qw: QDotWeight, bias: torch.Tensor | None 
                      ) -> torch.Tensor:
     """`linear` in torch ops, the sums in float64: the definition the kernel is tested
     against."""
+    if qw.wide:
+        q16, row_scale = quantize_activations16(x)
+        t, k = q16.shape
+        g = qw.group_size
+        per_group = torch.einsum("tgk,ngk->tgn", q16.double().reshape(t, k // g, g),
+                                 integers(qw).double().reshape(-1, k // g, g))
+        total = (per_group * qw.scale_rows().double().t()).sum(1) \
+            * row_scale.double()[:, None]
+        if bias is not None:
+            total = total + bias.double()
+        return total.to(x.dtype)
     group = qw.act_group
     q, scale = quantize_activations(x, group)
     t, k = q.shape
@@ -217,6 +281,13 @@ def linear(x: torch.Tensor, qw: QDotWeight, bias: torch.Tensor | None = None,
 
     def launch(xc: torch.Tensor, y: torch.Tensor, bf16: int) -> int:
         assert lib is not None
+        if qw.wide:
+            assert qw.colsums is not None
+            return int(lib.qdot16_linear(
+                xc.data_ptr(), xc.stride(0), bf16, xc.shape[0], xc.shape[1], qw.act_group,
+                qw.packed.data_ptr(), qw.scales.data_ptr(), qw.colsums.data_ptr(),
+                int(qw.grouped), None if bias is None else bias.data_ptr(), qw.out_features,
+                y.data_ptr(), y.stride(0), bf16, torch.get_num_threads()))
         return int(lib.qdot_linear(
             xc.data_ptr(), xc.stride(0), bf16, xc.shape[0], xc.shape[1], qw.act_group,
             qw.packed.data_ptr(), qw.scales.data_ptr(), int(qw.grouped),
@@ -225,11 +296,17 @@ def linear(x: torch.Tensor, qw: QDotWeight, bias: torch.Tensor | None = None,
 
     return cpu_quant.kernel_linear(
         x, qw.in_features, qw.out_features, bias, out,
-        (lambda: _fallback(x, qw, bias)) if lib is None else None, launch, "w8a8")
+        (lambda: _fallback(x, qw, bias)) if lib is None else None, launch,
+        "int8 (wide activations)" if qw.wide else "w8a8")
 
 
 def _fallback(x: torch.Tensor, qw: QDotWeight, bias: torch.Tensor | None) -> torch.Tensor:
     """Without the kernel: a float32 matmul of the quantized rows and the dequantized
     weights (the kernel's values, summed in another order: float32 rounding apart)."""
-    y = torch.nn.functional.linear(fake_quantize(x.float(), qw.act_group), dequantize(qw), bias)
+    if qw.wide:
+        q16, row_scale = quantize_activations16(x)
+        stands_for = q16 * row_scale[..., None]
+    else:
+        stands_for = fake_quantize(x.float(), qw.act_group)
+    y = torch.nn.functional.linear(stands_for, dequantize(qw), bias)
     return y.to(x.dtype)

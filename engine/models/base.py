@@ -220,7 +220,7 @@ class CausalLM(nn.Module):
             try:
                 stacked = QuantizedRows.cat([p for _, p in parts])
                 qw = stacked.pack(quantize is not None and quantize.int8_activations,
-                                  self.device)
+                                  self.device, self.dtype)
             except ValueError as exc:
                 raise ModelLoadError(f"layer {label}: {exc}") from None
             setattr(parent, attr, QuantLinear(qw, module.bias, stacked.input_order))

@@ -9,7 +9,11 @@ int8 in groups of 32 under every scheme (EMBEDDING_GROUP): GGUF's Q8_0 grid, the
 precision the bundled SmolLM2's embeddings ship in, so that model loses nothing there;
 `loraplex bench quant-quality` measures the rest.
 
-- int8: symmetric, one scale per output channel (or per group with a group size).
+- int8: symmetric, one scale per output channel (or per group with a group size). With
+  bf16 activations on a CPU with AVX-512 VNNI, per output channel (and the embeddings'
+  groups of 32): loraplex_kernels/cpu_qdot.py with wide activations, each row of the
+  input as 16-bit integers, two exact integer sums a column (weight-only in its
+  precision), at every step size.
 - int4: asymmetric per group of `group_size` inputs (a scale and the group's minimum),
   DEFAULT_INT4_GROUP_SIZE by default.
 - fp8 (CUDA, compute capability 8.9+): float8 e4m3 per output channel, each row of the
@@ -110,11 +114,15 @@ class QuantizedRows:
         return QuantizedRows(q, torch.cat([p.scales for p in parts]), offsets,
                              first.bits, first.group, first.input_order)
 
-    def pack(self, int8_activations: bool = False, device: torch.device | str = "cpu"
-             ) -> QuantizedWeights:
+    def pack(self, int8_activations: bool = False, device: torch.device | str = "cpu",
+             dtype: torch.dtype | None = None) -> QuantizedWeights:
         """The layout of `device`'s kernels: on the CPU cpu_quant's, or with
         `int8_activations` cpu_qdot's (which takes symmetric int8 per output channel only);
-        on CUDA device_quant's (fp8 rows: an Fp8Weight)."""
+        on CUDA device_quant's (fp8 rows: an Fp8Weight). int8 per output channel for bf16
+        activations (`dtype`) on a CPU with AVX-512 VNNI: cpu_qdot's with wide activations
+        (each row as 16-bit integers), weight-only in its precision and at least the bf16
+        kernel's speed where cpu_quant's converts its integers to bf16 (docs/BENCHMARKS.md,
+        "int8 weights against 16-bit activations")."""
         if torch.device(device).type != "cpu":
             if int8_activations:
                 raise ValueError("w8a8 runs on the CPU; on a GPU use fp8, int8 or int4")
@@ -131,7 +139,17 @@ class QuantizedRows:
                 raise ValueError(f"w8a8 needs int8 per output channel, not int{self.bits} "
                                  f"in groups of {self.group}")
             return cpu_qdot.pack(self.q, self.scales)
+        if self.takes_wide_activations(dtype):
+            return cpu_qdot.pack(self.q, self.scales, wide=True)
         return cpu_quant.pack(self.q, self.scales, self.offsets, self.bits, self.group)
+
+    def takes_wide_activations(self, dtype: torch.dtype | None) -> bool:
+        """Whether these rows run cpu_qdot's wide kernel on the CPU for `dtype` inputs."""
+        n, k = self.shape
+        return (dtype == torch.bfloat16 and self.bits == 8 and self.group == k
+                and self.offsets is None and self.input_order is None
+                and self.q.dtype == torch.int8 and cpu_qdot.wide_fits(n, k)
+                and cpu_qdot.variant() == "vnni" and bool((self.q != -128).all()))
 
 
 def _as_bytes(q: torch.Tensor) -> torch.Tensor:
@@ -177,8 +195,9 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if isinstance(self.quantized, cpu_qdot.QDotWeight):
-            # Integer products at every step size: at 2,048 rows still 1.6x the bf16
-            # kernel's speed on a Zen 4 (docs/BENCHMARKS.md, "w8a8").
+            # Integer products at every step size: w8a8 at 2,048 rows still 1.6x the bf16
+            # kernel's speed on a Zen 4 (docs/BENCHMARKS.md, "w8a8"), int8 with wide
+            # activations about the bf16 kernel's there.
             flat = x.reshape(-1, self.in_features)
             y = cpu_qdot.linear(flat, self.quantized, self.bias_f32)
             return y.reshape(*x.shape[:-1], self.out_features)
@@ -204,7 +223,9 @@ class QuantLinear(nn.Module):
 
     def extra_repr(self) -> str:
         q = self.quantized
-        if isinstance(q, cpu_qdot.QDotWeight):
+        if isinstance(q, cpu_qdot.QDotWeight) and q.wide:
+            kind = "int8 per channel, activations as 16-bit integers per row"
+        elif isinstance(q, cpu_qdot.QDotWeight):
             kind = f"w8a8, activations in groups of {q.act_group}"
         elif isinstance(q, device_quant.Fp8Weight):
             kind = "fp8 per channel, activations per row"
@@ -292,18 +313,26 @@ def quantize_embeddings(model: nn.Module, dtype: torch.dtype,
     cpu_qdot's layout, the same integers and scales, so that the output projection's input
     is quantized in the same groups and multiplied as integers (at 32 rows 2x the
     weight-only kernel's speed; the bundled model's perplexity unchanged: docs/BENCHMARKS.md,
-    "w8a8"). False (both kept in `dtype`) where the vocabulary is not a multiple of the
-    kernels' 16-row blocks, and on a GPU (a lookup and a dense matmul there; not measured
-    quantized yet)."""
+    "w8a8"). At bf16 on AVX-512 VNNI otherwise: cpu_qdot's layout with wide activations
+    (still weight-only, the same integers). False (both kept in `dtype`) where the
+    vocabulary is not a multiple of the kernels' 16-row blocks, and on a GPU (a lookup and
+    a dense matmul there; not measured quantized yet)."""
     table = cast(nn.Embedding, model.embed_tokens).weight
     vocab, hidden = table.shape
     if not quantizes_embeddings(vocab) or table.device.type != "cpu":
         return False
     group = embedding_group(hidden)
 
+    wide = (not int8_activations and dtype == torch.bfloat16 and group is not None
+            and group <= cpu_qdot.WIDE_MAX_GROUP and cpu_qdot.wide_fits(vocab, hidden)
+            and cpu_qdot.variant() == "vnni")
+
     def quantize(weight: torch.Tensor) -> cpu_quant.QuantizedWeight | cpu_qdot.QDotWeight:
         if int8_activations:
             return cpu_qdot.quantize(weight, group)
+        if wide:  # the same integers and scales, against 16-bit activations
+            q, scales, _, _ = cpu_quant.quantize_integers(weight, EMBEDDING_BITS, group)
+            return cpu_qdot.pack(q, scales, group, wide=True)
         return cpu_quant.quantize(weight, EMBEDDING_BITS, group)
 
     qw = quantize(table)

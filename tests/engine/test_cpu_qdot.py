@@ -194,3 +194,118 @@ def test_fake_quantize_is_what_the_kernel_multiplies() -> None:
     # ... and far from the float product of the unquantized rows at this tolerance.
     plain = torch.nn.functional.linear(x, cpu_qdot.dequantize(qw))
     assert not torch.allclose(cpu_qdot.linear(x, qw), plain, rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------- wide activations (int8)
+# `--quantization int8` at bf16 on AVX-512 VNNI: the same weights per output channel, each
+# row of x as 16-bit integers (one scale per row) split in two bytes, two exact int32 sums
+# a column.
+
+# (N, K): blocks of 16 columns in pairs and one left over (16: 1, 48: 2 + 1, 80: 4 + 1);
+# inputs from 36 to SmolLM2's 1,536.
+WIDE_SHAPES = [(16, 36), (48, 128), (64, 96), (80, 576), (960, 576), (576, 1536)]
+
+
+def _wide(n: int, k: int, seed: int, group: int | None = None) -> cpu_qdot.QDotWeight:
+    from loraplex_kernels import cpu_quant
+
+    q, scales, _, _ = cpu_quant.quantize_integers(_weight(n, k, seed), 8, group)
+    return cpu_qdot.pack(q, scales, group, wide=True)
+
+
+@pytest.mark.parametrize(("n", "k", "group"),
+                         [*((n, k, None) for n, k in WIDE_SHAPES),
+                          # grouped (the output projection's groups of 32, GGUF's Q8_0), the
+                          # activations' sums per group: 16-multiples, and 4 and 12
+                          (80, 576, 32), (48, 128, 64), (1024, 576, 32), (32, 36, 4),
+                          (16, 96, 12)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 13, 32, 130])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_wide_linear_equals_the_reference_and_the_generic_build(
+    n: int, k: int, group: int | None, rows: int, dtype: torch.dtype
+) -> None:
+    qw = _wide(n, k, n + k, group)
+    assert qw.wide and qw.colsums is not None and qw.grouped == (group is not None)
+    assert qw.act_group == (k if group is None else group)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(3))
+    x = _rows(rows, k, rows, dtype)
+    for b in (None, bias):
+        y = cpu_qdot.linear(x, qw, b)
+        assert y.dtype == dtype and y.shape == (rows, n)
+        assert _same(y, cpu_qdot.linear(x, qw, b, generic=True))
+        ref = cpu_qdot.reference_linear(x.float(), qw, b)
+        # Exact integer sums; float32 steps: the high sum (up to ~2^25) converted, times
+        # 256 plus the low one (grouped: exact in int32, then times each group's scale,
+        # added in order), times the scales: a few ulps. bf16 rounds once more.
+        scale = ref.abs().amax(1, keepdim=True).clamp(min=1e-30)
+        tol = 2e-6 if dtype == torch.float32 else 2**-8
+        assert float(((y.float() - ref) / scale).abs().max()) <= tol
+
+
+@pytest.mark.parametrize(("n", "k"), [(80, 576), (576, 1536)])
+def test_wide_activations_keep_bf16_inputs_to_float32_precision(n: int, k: int) -> None:
+    """What makes it weight-only int8: over bf16 inputs (with an outlier input 20x the
+    rest, as models have) the product is the dequantized weights' well inside the rounding
+    of a bf16 output (2^-9 of a value). Against float64 over the same bf16 values, float32
+    output: within 5e-4 of the row's largest output (measured 1.6-2.6e-4, the grid's step
+    of max |x| / 32767 on the inputs far below the outlier); w8a8's int8 groups are off
+    by more than 5e-3 on the same rows (measured 1.4-1.8e-2)."""
+    qw = _wide(n, k, 21)
+    x = _rows(32, k, 22, torch.bfloat16)
+    exact = x.double() @ cpu_qdot.dequantize(qw).double().t()
+    scale = exact.abs().amax(1, keepdim=True)
+    y = cpu_qdot.linear(x.float(), qw)  # float32 out: no output rounding in the way
+    assert float(((y.double() - exact) / scale).abs().max()) <= 5e-4
+    narrow = cpu_qdot.linear(x.float(), cpu_qdot.pack(cpu_qdot.integers(qw).to(torch.int8),
+                                                      qw.scales))
+    assert float(((narrow.double() - exact) / scale).abs().max()) > 5e-3
+
+
+def test_wide_rows_of_zeros_and_non_finite_rows_stay_their_own() -> None:
+    qw = _wide(48, 128, 5)
+    bias = torch.randn(48, generator=torch.Generator().manual_seed(6))
+    x = _rows(6, 128, 2, torch.bfloat16)
+    clean = cpu_qdot.linear(x, qw, bias)
+    x[1] = 0.0
+    x[3, 7] = float("nan")
+    x[4, 100] = float("-inf")
+    for generic in (False, True):
+        y = cpu_qdot.linear(x, qw, bias, generic=generic)
+        assert torch.equal(y[1], bias.bfloat16())
+        assert bool(y[3].isnan().all()) and bool(y[4].isnan().all())
+        for r in (0, 2, 5):
+            assert _same(y[r], clean[r])
+
+
+def test_wide_activations_quantize_per_row_to_nearest_even() -> None:
+    """16-bit integers, one scale per row: s = max |x| / 32767, round half to even."""
+    x = torch.zeros(2, 64)
+    x[0, :63] = torch.arange(63) - 31.5  # halves
+    x[0, 63] = 32767.0  # scale 1
+    x[1, 5] = -2.0
+    q, s = cpu_qdot.quantize_activations16(x)
+    assert float(s[0]) == 1.0 and float(s[1]) == float(torch.tensor(2.0) / 32767)
+    assert torch.equal(q[0, :63], torch.round(x[0, :63])) and float(q[0, 2]) == -30.0
+    assert float(q[1, 5]) == -32767.0 and int((q[1] != 0).sum()) == 1
+    # Weights that read each input once, scale 1: the outputs are the integers times s.
+    qw = cpu_qdot.pack(torch.eye(64, dtype=torch.int8), torch.ones(64), wide=True)
+    assert torch.equal(cpu_qdot.linear(x, qw), (q * s[:, None]).float())
+
+
+def test_wide_pack_keeps_column_sums_and_refuses_what_it_cannot() -> None:
+    g = torch.Generator().manual_seed(8)
+    q = torch.randint(-127, 128, (32, 40), generator=g, dtype=torch.int8)
+    qw = cpu_qdot.pack(q, torch.rand(32, generator=g) + 0.1, wide=True)
+    assert torch.equal(qw.colsums, q.sum(1, dtype=torch.int32))
+    assert qw.nbytes == 32 * 40 + 32 * 4 + 32 * 4
+    assert not cpu_qdot.pack(q, torch.ones(32)).wide
+    grouped = cpu_qdot.pack(q, torch.ones(32, 5), 8, wide=True)
+    sums = q.to(torch.int32).view(32, 5, 8).sum(-1)  # [N, groups] -> [N / 16, groups, 16]
+    assert torch.equal(grouped.colsums, sums.view(2, 16, 5).transpose(1, 2))
+    with pytest.raises(ValueError, match="groups of 512"):
+        cpu_qdot.pack(torch.zeros(16, 1024, dtype=torch.int8), torch.ones(16, 2), 512,
+                      wide=True)
+    with pytest.raises(ValueError, match="at most 32768"):
+        cpu_qdot.pack(torch.zeros(16, 32772, dtype=torch.int8), torch.ones(16), wide=True)
+    assert cpu_qdot.wide_fits(16, 32768) and not cpu_qdot.wide_fits(16, 32772)
+    assert not cpu_qdot.wide_fits(24, 64) and not cpu_qdot.wide_fits(16, 66)

@@ -119,6 +119,13 @@ def test_quantized_bf16_engine_agrees_with_hf_bf16_on_the_dequantized_weights(
                                    quantization_group_size=group, max_loras=2,
                                    max_cpu_loras=2, max_lora_rank=16, max_num_seqs=64))
     assert core.runner.dtype == torch.bfloat16
+    layers = [m.quantized for m in core.runner.model.layers.modules()
+              if isinstance(m, QuantLinear)]
+    assert layers
+    if scheme == "int8":  # decoder layers on AVX-512 VNNI: against 16-bit activations
+        wide = cpu_qdot.variant() == "vnni"
+        assert all(isinstance(q, cpu_qdot.QDotWeight) and q.wide for q in layers) == wide
+        assert all(isinstance(q, cpu_quant.QuantizedWeight) for q in layers) != wide
     for name, path in adapters.items():
         core.add_adapter(name, path)
     names: list[str | None] = [None, *adapters]
