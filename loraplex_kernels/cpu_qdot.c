@@ -313,6 +313,27 @@ DEFINE_TILE(1, 1)
 #undef EACH
 #undef BLOCKS
 
+/* What both kernels' drivers share: each thread a static share of `units`, and rows
+   ROW_CHUNK at a time ([r0, r1)), so that a prefill's activations stay in L2 while the
+   share's weights go by; BODY runs unit u against the chunk. */
+#define EACH_UNIT_AND_ROW_CHUNK(units, T, num_threads, BODY)                               \
+    _Pragma("omp parallel num_threads(num_threads)") {                                      \
+        const int64_t nt_ = omp_get_num_threads(), id_ = omp_get_thread_num();              \
+        const int64_t u0 = (units) * id_ / nt_, u1 = (units) * (id_ + 1) / nt_;            \
+        for (int64_t r0 = 0; r0 < (T); r0 += ROW_CHUNK) {                                   \
+            const int64_t r1 = r0 + ROW_CHUNK < (T) ? r0 + ROW_CHUNK : (T);                 \
+            for (int64_t u = u0; u < u1; u++) {                                             \
+                BODY                                                                        \
+            }                                                                               \
+        }                                                                                   \
+    }
+
+/* Rows [r, r1) in tiles of 4, 2 and 1 rows (T4, T2, T1 called with AT(row)). */
+#define ROW_TILES(T4, T2, T1)                                                               \
+    for (; r + 4 <= r1; r += 4) T4(AT(r));                                                  \
+    if (r + 2 <= r1) T2(AT(r)), r += 2;                                                     \
+    if (r < r1) T1(AT(r));
+
 /* Wide activations: R rows (xh, xl at the tile's first row, K apart; their start values
    h0, l0) against C blocks of 16 columns (wb, wstride bytes apart; colsum, sw, bias at the
    first block's first column), into y. Two int32 sums a row and block: 4 x 2 x 2 = 16. */
@@ -441,13 +462,9 @@ static void wide_unit(const int8_t *xh, const int8_t *xl, const int32_t *hsum,
               colsum + b * CB, sw + b * CB, bb,                                             \
               (char *)y + ((r) * y_stride + b * CB) * (int64_t)out_size, y_stride, y_bf16
     if (nblocks == 2) {
-        for (; r + 4 <= r1; r += 4) wide_4x2(AT(r));
-        if (r + 2 <= r1) wide_2x2(AT(r)), r += 2;
-        if (r < r1) wide_1x2(AT(r));
+        ROW_TILES(wide_4x2, wide_2x2, wide_1x2)
     } else {
-        for (; r + 4 <= r1; r += 4) wide_4x1(AT(r));
-        if (r + 2 <= r1) wide_2x1(AT(r)), r += 2;
-        if (r < r1) wide_1x1(AT(r));
+        ROW_TILES(wide_4x1, wide_2x1, wide_1x1)
     }
 #undef AT
 }
@@ -465,9 +482,7 @@ static void wide_grouped_unit(const int8_t *xh, const int8_t *xl, const int32_t 
               w + b * K * CB, colsum + b * G * CB, sw + b * G * CB,                         \
               bias != NULL ? bias + b * CB : NULL,                                          \
               (char *)y + ((r) * y_stride + b * CB) * (int64_t)out_size, y_stride, y_bf16
-    for (; r + 4 <= r1; r += 4) wide_grouped_4(AT(r));
-    if (r + 2 <= r1) wide_grouped_2(AT(r)), r += 2;
-    if (r < r1) wide_grouped_1(AT(r));
+    ROW_TILES(wide_grouped_4, wide_grouped_2, wide_grouped_1)
 #undef AT
 }
 
@@ -477,23 +492,14 @@ static void wide_gemm(const int8_t *xh, const int8_t *xl, const int32_t *hsum,
                       const float *bias, int64_t N, void *y, int64_t y_stride, int y_bf16,
                       int64_t num_threads) {
     const int64_t nb = N / CB, pairs = nb / 2, units = grouped ? nb : pairs + nb % 2;
-#pragma omp parallel num_threads(num_threads)
-    {
-        const int64_t nt = omp_get_num_threads(), id = omp_get_thread_num();
-        const int64_t u0 = units * id / nt, u1 = units * (id + 1) / nt;
-        for (int64_t r0 = 0; r0 < T; r0 += ROW_CHUNK) {
-            const int64_t r1 = r0 + ROW_CHUNK < T ? r0 + ROW_CHUNK : T;
-            for (int64_t u = u0; u < u1; u++) {
-                if (grouped)
-                    wide_grouped_unit(xh, xl, hsum, lsum, sx, K, ag, w, colsum, sw, bias, u,
-                                      y, y_stride, y_bf16, r0, r1);
-                else
-                    wide_unit(xh, xl, hsum, lsum, sx, K, w, colsum, sw, bias,
-                              u < pairs ? 2 * u : 2 * pairs, u < pairs ? 2 : 1, y, y_stride,
-                              y_bf16, r0, r1);
-            }
-        }
-    }
+    EACH_UNIT_AND_ROW_CHUNK(units, T, num_threads,
+        if (grouped)
+            wide_grouped_unit(xh, xl, hsum, lsum, sx, K, ag, w, colsum, sw, bias, u, y,
+                              y_stride, y_bf16, r0, r1);
+        else
+            wide_unit(xh, xl, hsum, lsum, sx, K, w, colsum, sw, bias,
+                      u < pairs ? 2 * u : 2 * pairs, u < pairs ? 2 : 1, y, y_stride, y_bf16,
+                      r0, r1);)
 }
 
 /* Rows [r0, r1) against `nblocks` (3 or 1) blocks from block b. */
@@ -510,13 +516,9 @@ static inline __attribute__((always_inline)) void run_blocks(
               (char *)y + ((r) * y_stride + b * CB) * (int64_t)out_size, y_stride, y_bf16,  \
               grouped
     if (nblocks == 3) {
-        for (; r + 4 <= r1; r += 4) tile_4x3(AT(r));
-        if (r + 2 <= r1) tile_2x3(AT(r)), r += 2;
-        if (r < r1) tile_1x3(AT(r));
+        ROW_TILES(tile_4x3, tile_2x3, tile_1x3)
     } else {
-        for (; r + 4 <= r1; r += 4) tile_4x1(AT(r));
-        if (r + 2 <= r1) tile_2x1(AT(r)), r += 2;
-        if (r < r1) tile_1x1(AT(r));
+        ROW_TILES(tile_4x1, tile_2x1, tile_1x1)
     }
 #undef AT
 }
@@ -538,22 +540,13 @@ static void gemm(const int8_t *xq, const int32_t *comp, const float *sx, int64_t
                  int64_t N, int grouped, void *y, int64_t y_stride, int y_bf16,
                  int64_t num_threads) {
     const int64_t nb = N / CB, triples = nb / 3, units = triples + nb % 3;
-#pragma omp parallel num_threads(num_threads)
-    {
-        const int64_t nt = omp_get_num_threads(), id = omp_get_thread_num();
-        const int64_t u0 = units * id / nt, u1 = units * (id + 1) / nt;
-        for (int64_t r0 = 0; r0 < T; r0 += ROW_CHUNK) {
-            const int64_t r1 = r0 + ROW_CHUNK < T ? r0 + ROW_CHUNK : T;
-            for (int64_t u = u0; u < u1; u++) {
-                if (u < triples)
-                    run_unit(xq, comp, sx, K, ag, w, sw, bias, 3 * u, 3, y, y_stride, y_bf16,
-                             r0, r1, grouped);
-                else
-                    run_unit(xq, comp, sx, K, ag, w, sw, bias, 3 * triples + (u - triples), 1,
-                             y, y_stride, y_bf16, r0, r1, grouped);
-            }
-        }
-    }
+    EACH_UNIT_AND_ROW_CHUNK(units, T, num_threads,
+        if (u < triples)
+            run_unit(xq, comp, sx, K, ag, w, sw, bias, 3 * u, 3, y, y_stride, y_bf16, r0, r1,
+                     grouped);
+        else
+            run_unit(xq, comp, sx, K, ag, w, sw, bias, 3 * triples + (u - triples), 1, y,
+                     y_stride, y_bf16, r0, r1, grouped);)
 }
 
 #else /* the generic loops */

@@ -51,19 +51,26 @@ def test_linear_equals_the_reference_and_the_generic_build(
     qw = cpu_qdot.quantize(_weight(n, k, n + k), group)
     assert qw.grouped == (group is not None)
     assert qw.act_group == (group if group is not None else cpu_qdot.act_group(k))
+    # The integer sums are exact; the float32 steps (a group's sum times its scale, added
+    # in order; times the channel's scale) round a few times: a few float32 ulps of the
+    # row's magnitude. bf16: the output rounded once more (2^-9 relative).
+    _check_against_reference_and_generic(qw, _rows(rows, k, rows, dtype), 1e-6)
+
+
+def _check_against_reference_and_generic(qw: cpu_qdot.QDotWeight, x: torch.Tensor,
+                                         f32_tol: float) -> None:
+    """With and without a bias: the kernel's output has x's dtype and shape, the generic
+    build's bits, and is within `f32_tol` of reference_linear relative to the row's
+    largest output at float32 (2^-8 at bf16)."""
+    rows, n = x.shape[0], qw.out_features
     bias = torch.randn(n, generator=torch.Generator().manual_seed(3))
-    x = _rows(rows, k, rows, dtype)
     for b in (None, bias):
         y = cpu_qdot.linear(x, qw, b)
-        assert y.dtype == dtype and y.shape == (rows, n)
+        assert y.dtype == x.dtype and y.shape == (rows, n)
         assert _same(y, cpu_qdot.linear(x, qw, b, generic=True))
-        ref = cpu_qdot.reference_linear(x, qw, b).float() if dtype == torch.float32 else \
-            cpu_qdot.reference_linear(x.float(), qw, b)
-        # The integer sums are exact; the float32 steps (a group's sum times its scale, added
-        # in order; times the channel's scale) round a few times: a few float32 ulps of the
-        # row's magnitude. bf16: the output rounded once more (2^-9 relative).
+        ref = cpu_qdot.reference_linear(x.float(), qw, b)
         scale = ref.abs().amax(1, keepdim=True).clamp(min=1e-30)
-        tol = 1e-6 if dtype == torch.float32 else 2**-8
+        tol = f32_tol if x.dtype == torch.float32 else 2**-8
         assert float(((y.float() - ref) / scale).abs().max()) <= tol
 
 
@@ -227,19 +234,10 @@ def test_wide_linear_equals_the_reference_and_the_generic_build(
     qw = _wide(n, k, n + k, group)
     assert qw.wide and qw.colsums is not None and qw.grouped == (group is not None)
     assert qw.act_group == (k if group is None else group)
-    bias = torch.randn(n, generator=torch.Generator().manual_seed(3))
-    x = _rows(rows, k, rows, dtype)
-    for b in (None, bias):
-        y = cpu_qdot.linear(x, qw, b)
-        assert y.dtype == dtype and y.shape == (rows, n)
-        assert _same(y, cpu_qdot.linear(x, qw, b, generic=True))
-        ref = cpu_qdot.reference_linear(x.float(), qw, b)
-        # Exact integer sums; float32 steps: the high sum (up to ~2^25) converted, times
-        # 256 plus the low one (grouped: exact in int32, then times each group's scale,
-        # added in order), times the scales: a few ulps. bf16 rounds once more.
-        scale = ref.abs().amax(1, keepdim=True).clamp(min=1e-30)
-        tol = 2e-6 if dtype == torch.float32 else 2**-8
-        assert float(((y.float() - ref) / scale).abs().max()) <= tol
+    # Exact integer sums; float32 steps: the high sum (up to ~2^25) converted, times 256
+    # plus the low one (grouped: exact in int32, then times each group's scale, added in
+    # order), times the scales: a few ulps. bf16 rounds once more.
+    _check_against_reference_and_generic(qw, _rows(rows, k, rows, dtype), 2e-6)
 
 
 @pytest.mark.parametrize(("n", "k"), [(80, 576), (576, 1536)])
