@@ -24,10 +24,11 @@ def test_quant_kernels_times_every_way_at_each_row_count(tmp_path: Path) -> None
     assert set(report) == {"1", "5"}
     for timings in report.values():
         # float32 and bf16 (oneDNN's packed layers where it packs them, else torch's
-        # matmul), our int8, int4 and w8a8, torch's int8 and int4; our bf16 kernel where
-        # the CPU has AVX-512 BF16.
-        assert len(timings) == 7 + cpu_gemm.available(), timings
-        assert {"ours int8", "ours int4", "ours w8a8 (bf16)"} <= set(timings)
+        # matmul), our int8 (float32 and bf16 rows, and wide activations), int4 and w8a8,
+        # torch's int8 and int4; our bf16 kernel where the CPU has AVX-512 BF16.
+        assert len(timings) == 9 + cpu_gemm.available(), timings
+        assert {"ours int8", "ours int8 (bf16 rows)", "ours int8, wide activations (bf16)",
+                "ours int4", "ours w8a8 (bf16)"} <= set(timings)
         assert all(ms > 0 for ms in timings.values()), timings
     assert (tmp_path / "k.json").is_file()
 

@@ -122,10 +122,13 @@ def test_quantized_bf16_engine_agrees_with_hf_bf16_on_the_dequantized_weights(
     layers = [m.quantized for m in core.runner.model.layers.modules()
               if isinstance(m, QuantLinear)]
     assert layers
+    wide = cpu_qdot.variant() == "vnni"
     if scheme == "int8":  # decoder layers on AVX-512 VNNI: against 16-bit activations
-        wide = cpu_qdot.variant() == "vnni"
         assert all(isinstance(q, cpu_qdot.QDotWeight) and q.wide for q in layers) == wide
         assert all(isinstance(q, cpu_quant.QuantizedWeight) for q in layers) != wide
+    if scheme != "w8a8":  # the output projection's int8 groups of 32, weight-only
+        head = core.runner.model.lm_head.quantized
+        assert (isinstance(head, cpu_qdot.QDotWeight) and head.wide and head.grouped) == wide
     for name, path in adapters.items():
         core.add_adapter(name, path)
     names: list[str | None] = [None, *adapters]
