@@ -29,7 +29,7 @@
    one scale per row: s = max |x| / 32767, a = round(x / s) (to nearest even) in
    -32767..32767, split a = 256 hi + lo with hi = a >> 8 in -128..127 and lo = a & 255,
    stored lo - 128 so that both halves are signed bytes. Two exact int32 sums per column,
-   over every input (no groups):
+   over every input:
 
        H = sum (q + 128) hi - 128 sum(hi)                       = sum q hi
        L = sum (q + 128) (lo - 128) - 128 sum(lo - 128) + 128 sum(q)  = sum q lo
@@ -43,7 +43,9 @@
    than the inputs themselves wherever an input is within 2^7 of its row's largest, so the
    product is the dequantized weights' within float32 rounding: two vpdpbusd a 4-input step
    for 64 multiply-adds, the bf16 dot product's rate, on half its weight bytes and with no
-   conversion of the integers.
+   conversion of the integers. Grouped weights (the output projection's groups of 32): the
+   two sums per group, H * 256 + L combined exactly in int32 (groups of at most 256), each
+   group's total times its scale added in order, then times s[t] (+ bias[n]).
 
    VNNI path: each thread takes units of three column blocks (the rest one block at a
    time) and runs tiles of 4, 2 and 1 rows against a unit: 12 int32 sums for the group in
@@ -117,10 +119,6 @@ static void quantize_row(const void *x, int bf16, int64_t K, int64_t ag, int8_t 
     }
 }
 
-/* One row of x as 16-bit integers split in bytes (see "Wide activations" above): xh[K],
-   xl[K] (lo - 128), their sums per group of ag inputs (K / ag of each), the row's scale. A row of zeros gets the scale 0; a row
-   holding a NaN or an infinity a NaN scale and integers 0, so its outputs come out NaN.
-   K at most 32,768 (QDOT16_MAX_K): every int32 sum, with its start, stays in range. */
 #ifdef HAVE_VNNI
 /* 16 inputs from k of a bf16 or float32 row, as float32. */
 static inline __attribute__((always_inline)) __m512 load16(const void *x, int bf16, int64_t k) {
@@ -173,6 +171,11 @@ static void quantize_row16_x16(const void *x, int bf16, int64_t K, int64_t ag, i
 }
 #endif
 
+/* One row of x as 16-bit integers split in bytes (see "Wide activations" above): xh[K],
+   xl[K] (lo - 128), their sums per group of ag inputs (K / ag of each), the row's scale.
+   A row of zeros gets the scale 0; a row holding a NaN or an infinity a NaN scale and
+   integers 0, so its outputs come out NaN. K at most 32,768 (cpu_qdot.WIDE_MAX_K): every
+   int32 sum, with its start, stays in range. */
 static void quantize_row16(const void *x, int bf16, int64_t K, int64_t ag, int8_t *xh,
                            int8_t *xl, int32_t *hsum, int32_t *lsum, float *sx) {
 #ifdef HAVE_VNNI
@@ -607,7 +610,7 @@ static void wide_gemm(const int8_t *xh, const int8_t *xl, const int32_t *hsum,
                 }
                 if (grouped)
                     total = fmaf((float)(hs * 256 + ls), sw[at + g * CB], total);
-                else
+                else /* per channel: the one group */
                     total = fmaf((float)hs, 256.0f, (float)ls) * sx[t];
             }
             const float out = grouped ? finish(total, sx[t], bias, n)
@@ -646,8 +649,8 @@ static void *thread_scratch(size_t need) {
 /* y [T][N] = x [T][K] times the packed weights with wide activations (see the top): the
    weights per output channel (sw [N]) with their columns' integer sums colsum [N], or
    grouped, per output channel and group of ag inputs (sw and colsum [N / 16][K / ag][16],
-   ag a multiple of 4 up to 256). K a multiple of 4 (and of ag) up to 32,768, N of 16. Returns 0, or 1 when the activations' buffer could
-   not be allocated. */
+   ag a multiple of 4 up to 256). K a multiple of 4 (and of ag) up to 32,768, N of 16.
+   Returns 0, or 1 when the activations' buffer could not be allocated. */
 int qdot16_linear(const void *x, int64_t x_stride, int x_bf16, int64_t T, int64_t K,
                   int64_t ag, const uint8_t *w, const float *sw, const int32_t *colsum,
                   int grouped, const float *bias, int64_t N, void *y, int64_t y_stride,

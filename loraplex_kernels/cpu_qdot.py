@@ -129,9 +129,18 @@ class QDotWeight:
         return self.packed.numel() + self.scales.numel() * 4 + wide
 
 
-def wide_fits(n: int, k: int) -> bool:
-    """Whether a [n, k] layer can hold wide activations."""
-    return n % BLOCK == 0 and k % 4 == 0 and 0 < k <= WIDE_MAX_K
+def wide_fits(n: int, k: int, group: int | None = None) -> bool:
+    """Whether a [n, k] layer (weights per output channel, or per group of `group` inputs)
+    can hold wide activations."""
+    g = k if group is None else group
+    return (n % BLOCK == 0 and k % 4 == 0 and 0 < k <= WIDE_MAX_K and g % 4 == 0
+            and k % g == 0 and (g == k or g <= WIDE_MAX_GROUP))
+
+
+def runs_wide(n: int, k: int, group: int | None, dtype: torch.dtype) -> bool:
+    """Whether int8 weights of that shape take wide activations for `dtype` inputs here:
+    bf16 on a CPU with AVX-512 VNNI (elsewhere the generic loops would be the slow path)."""
+    return dtype == torch.bfloat16 and wide_fits(n, k, group) and variant() == "vnni"
 
 
 def pack(q: torch.Tensor, scales: torch.Tensor, group: int | None = None, *,
@@ -200,37 +209,36 @@ def dequantize(qw: QDotWeight) -> torch.Tensor:
     return (integers(qw).float().view(n, k // g, g) * qw.scale_rows()[..., None]).view(n, k)
 
 
-def quantize_activations(x: torch.Tensor, group: int
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., K] -> (integers [..., K] float32 in -127..127, scales [..., K / group]), as
-    the kernel quantizes them: s = max |x| / 127 per group (float32), round(x / s) to
-    nearest even; a group of zeros has s = 0 and zeros, a group with a NaN or an infinity
-    a NaN scale."""
+def _quantize_groups(x: torch.Tensor, group: int, levels: float
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., K] -> (integers [..., K] float32 in -levels..levels, scales [..., K / group]):
+    s = max |x| / levels per group (float32), round(x / s) to nearest even; a group of
+    zeros has s = 0 and zeros, a group with a NaN or an infinity a NaN scale."""
     xf = x.float()
     shape = xf.shape
     xg = xf.reshape(*shape[:-1], shape[-1] // group, group)
     amax = xg.abs().amax(-1)
     bad = ~torch.isfinite(xg).all(-1)
-    scale = torch.where(bad, torch.full_like(amax, float("nan")), amax / 127.0)
+    scale = torch.where(bad, torch.full_like(amax, float("nan")), amax / levels)
     usable = (scale > 0) & ~bad
     safe = torch.where(usable, scale, torch.ones_like(scale))
-    q = torch.round(xg / safe[..., None]).clamp_(-127, 127)
+    q = torch.round(xg / safe[..., None]).clamp_(-levels, levels)
     q = torch.where(usable[..., None], q, torch.zeros_like(q))
     return q.reshape(shape), scale
 
 
+def quantize_activations(x: torch.Tensor, group: int
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., K] -> (integers [..., K] float32 in -127..127, scales [..., K / group]), as
+    the w8a8 kernel quantizes them (_quantize_groups, 127 levels a side)."""
+    return _quantize_groups(x, group, 127.0)
+
+
 def quantize_activations16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., K] -> (integers [..., K] float32 in -32767..32767, scales [...]), as the wide
-    kernel quantizes each row: s = max |x| / 32767 (float32), round(x / s) to nearest even;
-    a row of zeros has s = 0 and zeros, a row with a NaN or an infinity a NaN scale."""
-    xf = x.float()
-    amax = xf.abs().amax(-1)
-    bad = ~torch.isfinite(xf).all(-1)
-    scale = torch.where(bad, torch.full_like(amax, float("nan")), amax / WIDE_LEVELS)
-    usable = (scale > 0) & ~bad
-    safe = torch.where(usable, scale, torch.ones_like(scale))
-    q = torch.round(xf / safe[..., None]).clamp_(-WIDE_LEVELS, WIDE_LEVELS)
-    return torch.where(usable[..., None], q, torch.zeros_like(q)), scale
+    kernel quantizes each row (_quantize_groups, one group a row)."""
+    q, scale = _quantize_groups(x, x.shape[-1], WIDE_LEVELS)
+    return q, scale[..., 0]
 
 
 def fake_quantize(x: torch.Tensor, group: int) -> torch.Tensor:

@@ -146,10 +146,10 @@ class QuantizedRows:
     def takes_wide_activations(self, dtype: torch.dtype | None) -> bool:
         """Whether these rows run cpu_qdot's wide kernel on the CPU for `dtype` inputs."""
         n, k = self.shape
-        return (dtype == torch.bfloat16 and self.bits == 8 and self.group == k
+        return (dtype is not None and self.bits == 8 and self.group == k
                 and self.offsets is None and self.input_order is None
-                and self.q.dtype == torch.int8 and cpu_qdot.wide_fits(n, k)
-                and cpu_qdot.variant() == "vnni" and bool((self.q != -128).all()))
+                and self.q.dtype == torch.int8 and cpu_qdot.runs_wide(n, k, None, dtype)
+                and bool((self.q != -128).all()))
 
 
 def _as_bytes(q: torch.Tensor) -> torch.Tensor:
@@ -323,9 +323,8 @@ def quantize_embeddings(model: nn.Module, dtype: torch.dtype,
         return False
     group = embedding_group(hidden)
 
-    wide = (not int8_activations and dtype == torch.bfloat16 and group is not None
-            and group <= cpu_qdot.WIDE_MAX_GROUP and cpu_qdot.wide_fits(vocab, hidden)
-            and cpu_qdot.variant() == "vnni")
+    wide = (not int8_activations and group is not None
+            and cpu_qdot.runs_wide(vocab, hidden, group, dtype))
 
     def quantize(weight: torch.Tensor) -> cpu_quant.QuantizedWeight | cpu_qdot.QDotWeight:
         if int8_activations:

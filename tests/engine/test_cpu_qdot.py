@@ -307,3 +307,5 @@ def test_wide_pack_keeps_column_sums_and_refuses_what_it_cannot() -> None:
         cpu_qdot.pack(torch.zeros(16, 32772, dtype=torch.int8), torch.ones(16), wide=True)
     assert cpu_qdot.wide_fits(16, 32768) and not cpu_qdot.wide_fits(16, 32772)
     assert not cpu_qdot.wide_fits(24, 64) and not cpu_qdot.wide_fits(16, 66)
+    assert cpu_qdot.wide_fits(16, 1024, 256) and not cpu_qdot.wide_fits(16, 1024, 512)
+    assert not cpu_qdot.wide_fits(16, 96, 10) and not cpu_qdot.wide_fits(16, 96, 64)
