@@ -225,12 +225,15 @@ def process_tree(pid: int) -> list[int]:
     return found
 
 
-def tree_rss_bytes(pid: int) -> int:
-    """VmRSS of `pid` and the processes below it, summed; OSError if `pid` is gone."""
-    total = int(proc_status(pid)["VmRSS"].split()[0]) * 1024  # kB
+def tree_rss_bytes(pid: int, field: str = "VmRSS") -> int:
+    """VmRSS (or another of /proc/PID/status' kB fields: VmHWM, the peak since the
+    process started) of `pid` and the processes below it, summed; OSError if `pid` is
+    gone. Summed peaks are an upper bound of the tree's peak: each process's may come at
+    another moment."""
+    total = int(proc_status(pid)[field].split()[0]) * 1024  # kB
     for child in process_tree(pid)[1:]:
         with contextlib.suppress(OSError, KeyError):
-            total += int(proc_status(child)["VmRSS"].split()[0]) * 1024
+            total += int(proc_status(child)[field].split()[0]) * 1024
     return total
 
 

@@ -33,6 +33,7 @@ class Sample:
     t_s: float  # from the monitor's start
     metrics: dict[str, float] = field(default_factory=dict)  # only the series above
     rss_bytes: int | None = None
+    hwm_bytes: int | None = None  # VmHWM: the server's peak RSS since it started
 
 
 @dataclass(slots=True)
@@ -52,6 +53,8 @@ class MonitorSummary:
     mean_step_s: float | None = None  # the engine's steps over the run
     rss_peak_mib: float | None = None
     rss_end_mib: float | None = None
+    # The peak since the server started (its load included), not only in the run.
+    rss_peak_since_start_mib: float | None = None
 
 
 def parse_metrics(text: str) -> dict[str, float]:
@@ -64,10 +67,11 @@ def parse_metrics(text: str) -> dict[str, float]:
     return values
 
 
-def read_rss_bytes(pid: int) -> int | None:
-    """VmRSS of a live process and the processes below it (Linux), None once it is gone."""
+def read_rss_bytes(pid: int, field: str = "VmRSS") -> int | None:
+    """VmRSS (or VmHWM, the peak so far) of a live process and the processes below it
+    (Linux), None once it is gone."""
     try:
-        return tree_rss_bytes(pid)
+        return tree_rss_bytes(pid, field)
     except (OSError, KeyError):
         return None
 
@@ -112,6 +116,7 @@ class ServerMonitor:
             self._scrape = KV_USAGE in sample.metrics
         if self._pid is not None:
             sample.rss_bytes = read_rss_bytes(self._pid)
+            sample.hwm_bytes = read_rss_bytes(self._pid, "VmHWM")
         self.samples.append(sample)
 
     async def _metrics(self) -> dict[str, float]:
@@ -158,6 +163,9 @@ def summarize_samples(samples: list[Sample]) -> MonitorSummary:
     if rss:
         summary.rss_peak_mib = round(max(rss) / 2**20, 1)
         summary.rss_end_mib = round(rss[-1] / 2**20, 1)
+    hwm = [s.hwm_bytes for s in samples if s.hwm_bytes is not None]
+    if hwm:
+        summary.rss_peak_since_start_mib = round(max(hwm) / 2**20, 1)
     return summary
 
 

@@ -50,6 +50,9 @@ def rate_table(summary: RateSummary, slo: SLO) -> str:
         if server.rss_peak_mib is not None:
             rows.append(("server RSS peak / end (MiB)",
                          f"{server.rss_peak_mib:.0f} / {_opt(server.rss_end_mib, '.0f')}"))
+        if server.rss_peak_since_start_mib is not None:
+            rows.append(("server RSS peak since its start, VmHWM (MiB)",
+                         f"{server.rss_peak_since_start_mib:.0f}"))
     rows += [(f"error: {error}", str(n)) for error, n in s.errors.items()]
     width = max(len(label) for label, _ in rows)
     title = f" rate {s.rate_label} req/s "

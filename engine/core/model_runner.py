@@ -244,7 +244,7 @@ class ModelRunner:
                                                quantize=self.quantization)
         elif self.gguf_source is not None:
             num_quantized = model.load_weights(
-                gguf_tensors(self.gguf_source, self.model_config, native_int4=True),
+                gguf_tensors(self.gguf_source, self.model_config, native=True),
                 quantize=self.quantization)
         else:
             # A float checkpoint is quantized layer by layer as it loads: no float copy of

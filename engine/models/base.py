@@ -27,6 +27,7 @@ from loraplex_kernels import reference as ref
 
 # Modules are built on the meta device, then materialized empty (see LlamaForCausalLM).
 META = torch.device("meta")
+EMBEDDING_NAME = "model.embed_tokens.weight"  # the embedding table's Hugging Face name
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +80,9 @@ class CausalLM(nn.Module):
         # some weights as integers).
         self.device = torch.device(device)
         self.dtype = dtype
+        # The embedding table as a checkpoint stored it in int8 groups (a GGUF's Q8_0
+        # blocks), its float parameter left unmade: quantize_embeddings takes it.
+        self.embedding_rows: QuantizedRows | None = None
 
     # ---------------------------------------------------------------- architecture data
 
@@ -176,7 +180,9 @@ class CausalLM(nn.Module):
         A decoder linear layer's weight may come as QuantizedRows (a pre-quantized
         checkpoint), and with `quantize` every float one is quantized as it arrives: such a
         layer becomes a QuantLinear once all its parts are in, and its float parameter is
-        never written (so a float checkpoint loads at its quantized size). Returns how many
+        never written (so a float checkpoint loads at its quantized size). The embedding
+        table may come as int8 QuantizedRows too: kept as `embedding_rows`, its float
+        parameter unwritten, for quantize_embeddings to take. Returns how many
         layers were loaded quantized."""
         targets = self.weight_targets()
         pending = set(targets)
@@ -256,10 +262,14 @@ class CausalLM(nn.Module):
 
                     tensor = tensor.map_rows(rope) if isinstance(tensor, QuantizedRows) \
                         else rope(tensor)
-                if isinstance(tensor, QuantizedRows):
+                if isinstance(tensor, QuantizedRows) and name == EMBEDDING_NAME \
+                        and tensor.bits == 8 and tensor.offsets is None:
+                    self.embedding_rows = tensor
+                elif isinstance(tensor, QuantizedRows):
                     if not is_linear:
                         raise ModelLoadError(f"tensor {name} is quantized; only the decoder "
-                                             "layers' linear weights may be")
+                                             "layers' linear weights and the embeddings (int8) "
+                                             "may be")
                     row0 = (dest.storage_offset() - param.storage_offset()) // dest.stride(0)
                     quantized.setdefault(id(param), []).append((row0, tensor))
                 else:

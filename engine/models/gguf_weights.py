@@ -3,10 +3,11 @@ groups of 32 integer for integer (a scale and the block's minimum), with no floa
 
 The bundled SmolLM2 ships as `SmolLM2-135M-Instruct.Q4_1.gguf`: its decoder linears are
 Q4_1, its embeddings Q8_0, its norms F32. `--quantization int4` on the default model (the
-group size at its default 32) loads the linears from these blocks directly; every other
-tensor is read as float (Q8_0 dequantized: the engine then holds the embeddings as int8
-in groups of 32, the same grid) and any other quantized type through gguf's own
-dequantization, then quantized on load like a float checkpoint's.
+group size at its default 32) loads the linears from these blocks directly, and the
+embedding table's Q8_0 blocks become the engine's int8 groups of 32 as stored (no float
+table is made); every other tensor is read as float (another Q8_0 tensor dequantized) and
+any other quantized type through gguf's own dequantization, then quantized on load like a
+float checkpoint's.
 
 ggml's blocks (32 weights each, little-endian): Q4_1 = fp16 d, fp16 m, 16 bytes whose low
 nibbles are weights 0-15 and high nibbles 16-31, w = d q + m; Q8_0 = fp16 d, 32 int8,
@@ -26,6 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from engine.models.base import EMBEDDING_NAME
 from engine.models.config import ModelConfig, ModelLoadError
 from engine.models.quantized import QuantizedRows
 
@@ -72,7 +74,7 @@ def _unpermute(heads: int) -> Callable[[torch.Tensor], torch.Tensor]:
 
 def q4_1_rows(raw: np.ndarray, k: int) -> QuantizedRows:
     """Q4_1 rows (uint8 [N, K / 32 * 20]) -> int4 groups of 32 with scales and minimums."""
-    blocks = torch.from_numpy(np.array(raw)).view(raw.shape[0], k // 32, 20)
+    blocks = torch.from_numpy(raw).view(raw.shape[0], k // 32, 20)
     d = blocks[..., 0:2].contiguous().view(torch.float16)[..., 0].float()
     m = blocks[..., 2:4].contiguous().view(torch.float16)[..., 0].float()
     qs = blocks[..., 4:20]
@@ -80,12 +82,33 @@ def q4_1_rows(raw: np.ndarray, k: int) -> QuantizedRows:
     return QuantizedRows(q.contiguous(), d, m, 4, GGUF_GROUP)
 
 
+def q8_0_rows(raw: np.ndarray, k: int) -> QuantizedRows:
+    """Q8_0 rows (uint8 [N, K / 32 * 34]) -> int8 groups of 32 with their scales."""
+    blocks = torch.from_numpy(raw).view(raw.shape[0], k // 32, 34)
+    d = blocks[..., 0:2].contiguous().view(torch.float16)[..., 0].float()
+    q = blocks[..., 2:34].contiguous().view(torch.int8).reshape(raw.shape[0], k)
+    return QuantizedRows(q, d, None, 8, GGUF_GROUP)
+
+
+Q8_0_CHUNK_ROWS = 4096
+
+
 def q8_0_float(raw: np.ndarray, k: int) -> torch.Tensor:
-    """Q8_0 rows (uint8 [N, K / 32 * 34]) -> float32 [N, K]."""
-    blocks = torch.from_numpy(np.array(raw)).view(raw.shape[0], k // 32, 34)
-    d = blocks[..., 0:2].contiguous().view(torch.float16).float()
-    q = blocks[..., 2:34].contiguous().view(torch.int8).float()
-    return (q * d).reshape(raw.shape[0], k)
+    """Q8_0 rows (uint8 [N, K / 32 * 34]) -> float32 [N, K], dequantized Q8_0_CHUNK_ROWS
+    rows at a time into the result.
+
+    NOTE: in one pass over the table its temporaries (the bytes, the integers as floats,
+    their product) were twice the float table again: for SmolLM2's embeddings 226 MiB
+    on top of a server's peak RSS at load."""
+    n = raw.shape[0]
+    out = torch.empty(n, k)
+    for start in range(0, n, Q8_0_CHUNK_ROWS):
+        stop = min(n, start + Q8_0_CHUNK_ROWS)
+        blocks = torch.from_numpy(raw[start:stop]).view(stop - start, k // 32, 34)
+        d = blocks[..., 0:2].contiguous().view(torch.float16).float()
+        q = blocks[..., 2:34].contiguous().view(torch.int8)
+        torch.mul(q, d, out=out[start:stop].view(stop - start, k // 32, 32))
+    return out
 
 
 # GGUF metadata value types -> their size in bytes (strings and arrays are read apart).
@@ -98,11 +121,30 @@ class GGUFTensor:
     name: str
     shape: tuple[int, ...]  # outermost first ([N, K] for an N x K matrix)
     kind: int  # ggml type
-    data: np.ndarray  # its bytes, uint8, a view of the mapped file
+    path: Path
+    offset: int  # of its first byte in the file
+    rows: int
+    row_bytes: int
+
+    def read(self) -> np.ndarray:
+        """Its bytes, uint8 [rows, row_bytes], read into memory of their own.
+
+        NOTE: read, not mapped: every page of a mapped file a tensor was read from stays in
+        the process's RSS for as long as the mapping, and the load held the whole file's
+        (96 MiB for SmolLM2's) on top of the weights it had made."""
+        data = np.empty((self.rows, self.row_bytes), dtype=np.uint8)
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                if f.readinto(data.data) != data.nbytes:
+                    raise ModelLoadError(f"{self.path} ends inside tensor {self.name}")
+        except OSError as exc:
+            raise ModelLoadError(f"cannot read {self.path}: {exc}") from exc
+        return data
 
 
 def read_gguf(path: Path) -> list[GGUFTensor]:
-    """The tensors of a GGUF file (v2 or v3), their data mapped, not read.
+    """The tensors of a GGUF file (v2 or v3): where each one lies, its data not yet read.
 
     NOTE: gguf's own GGUFReader parses every metadata value into numpy views, which for
     a tokenizer's 100,000 strings took 8-10 s; this reads the header and skips the
@@ -175,22 +217,22 @@ def read_gguf(path: Path) -> list[GGUFTensor]:
             at = start + offset
             if shape[-1] % block or at + rows * row_bytes > len(buf):
                 raise ValueError(f"tensor {name} {list(shape)} does not fit the file")
-            tensors.append(GGUFTensor(name, shape, kind,
-                                      buf[at:at + rows * row_bytes].reshape(rows, row_bytes)))
+            tensors.append(GGUFTensor(name, shape, kind, path, at, rows, row_bytes))
     except (ValueError, struct.error, KeyError) as exc:
         raise ModelLoadError(f"{path} is not a GGUF file the engine can read: {exc}") from None
     finally:
         # NOTE: the helpers above call each other, a reference cycle that holds `view`
-        # until the garbage collector runs: released here, the file is mapped only as long
-        # as the tensors' views are held (its pages were 96 MiB of a server's RSS).
+        # until the garbage collector runs: released here, the header's pages are unmapped
+        # on return, not at the collector's next pass.
         view.release()
     return tensors
 
 
-def gguf_tensors(path: Path, config: ModelConfig, *, native_int4: bool
+def gguf_tensors(path: Path, config: ModelConfig, *, native: bool
                  ) -> Iterator[tuple[str, torch.Tensor | QuantizedRows]]:
-    """The GGUF's tensors under Hugging Face names: Q4_1 linears as QuantizedRows when
-    `native_int4`, everything else float32."""
+    """The GGUF's tensors under Hugging Face names: with `native`, Q4_1 linears and a
+    Q8_0 embedding table as QuantizedRows (int4 and int8 groups of 32, as stored);
+    everything else float32."""
     from gguf.constants import GGMLQuantizationType as T
     from gguf.quants import dequantize
 
@@ -198,20 +240,21 @@ def gguf_tensors(path: Path, config: ModelConfig, *, native_int4: bool
         name = hf_name(tensor.name)
         if name is None:
             continue
-        shape, kind, raw = list(tensor.shape), tensor.kind, tensor.data
+        shape, kind, raw = list(tensor.shape), tensor.kind, tensor.read()
         value: torch.Tensor | QuantizedRows
-        if kind == T.Q4_1 and native_int4 and len(shape) == 2:
+        if kind == T.Q4_1 and native and len(shape) == 2:
             value = q4_1_rows(raw, shape[1])
+        elif kind == T.Q8_0 and native and name == EMBEDDING_NAME and len(shape) == 2:
+            value = q8_0_rows(raw, shape[1])
         elif kind == T.Q8_0 and len(shape) == 2:
             value = q8_0_float(raw, shape[1])
         elif kind == T.F32:
-            value = torch.from_numpy(np.array(raw).view(np.float32)).reshape(shape)
+            value = torch.from_numpy(raw.view(np.float32)).reshape(shape)
         elif kind == T.F16:
-            value = torch.from_numpy(np.array(raw).view(np.float16).astype(np.float32)) \
-                .reshape(shape)
+            value = torch.from_numpy(raw.view(np.float16).astype(np.float32)).reshape(shape)
         else:
             value = torch.from_numpy(
-                np.asarray(dequantize(np.array(raw), T(kind)), dtype=np.float32)).reshape(shape)
+                np.asarray(dequantize(raw, T(kind)), dtype=np.float32)).reshape(shape)
         if name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config.num_heads if "q_proj" in name else config.num_kv_heads
             rows = _unpermute(heads)

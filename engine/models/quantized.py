@@ -319,22 +319,39 @@ def quantize_embeddings(model: nn.Module, dtype: torch.dtype,
     a dense matmul there; not measured quantized yet)."""
     table = cast(nn.Embedding, model.embed_tokens).weight
     vocab, hidden = table.shape
-    if not quantizes_embeddings(vocab) or table.device.type != "cpu":
-        return False
     group = embedding_group(hidden)
+    # The checkpoint's own int8 groups (CausalLM.load_weights), taken from the model.
+    stored: QuantizedRows | None = getattr(model, "embedding_rows", None)
+    if stored is not None:
+        model.__dict__["embedding_rows"] = None  # (a plain attribute of CausalLM)
+    if stored is not None and (stored.group != group or bool((stored.q == -128).any())
+                               or not bool(torch.isfinite(stored.scales).all())):
+        # Not this grid (or an integer the symmetric layouts do not hold): as floats.
+        table.data = stored_floats(stored).to(table.dtype)
+        stored = None
+    if not quantizes_embeddings(vocab) or table.device.type != "cpu":
+        if stored is not None:
+            table.data = stored_floats(stored).to(table.device, table.dtype)
+        return False
 
     wide = (not int8_activations and group is not None
             and cpu_qdot.runs_wide(vocab, hidden, group, dtype))
 
-    def quantize(weight: torch.Tensor) -> cpu_quant.QuantizedWeight | cpu_qdot.QDotWeight:
+    def pack(q: torch.Tensor, scales: torch.Tensor
+             ) -> cpu_quant.QuantizedWeight | cpu_qdot.QDotWeight:
         if int8_activations:
-            return cpu_qdot.quantize(weight, group)
+            return cpu_qdot.pack(q, scales, group)
         if wide:  # the same integers and scales, against 16-bit activations
-            q, scales, _, _ = cpu_quant.quantize_integers(weight, EMBEDDING_BITS, group)
             return cpu_qdot.pack(q, scales, group, wide=True)
-        return cpu_quant.quantize(weight, EMBEDDING_BITS, group)
+        return cpu_quant.pack(q, scales, None, EMBEDDING_BITS, group or hidden)
 
-    qw = quantize(table)
+    def quantize(weight: torch.Tensor) -> cpu_quant.QuantizedWeight | cpu_qdot.QDotWeight:
+        q, scales, _, _ = cpu_quant.quantize_integers(weight, EMBEDDING_BITS, group)
+        return pack(q, scales)
+
+    # A stored table is taken as it is: ggml's Q8_0 writer puts each block's largest at
+    # +-127, where quantizing its float values again gives these same integers and scales.
+    qw = pack(stored.q, stored.scales) if stored is not None else quantize(table)
     model.embed_tokens = QuantEmbedding(qw, dtype)
     head = model.lm_head
     if head is None:
@@ -342,6 +359,13 @@ def quantize_embeddings(model: nn.Module, dtype: torch.dtype,
     elif isinstance(head, nn.Linear):
         model.lm_head = QuantLinear(quantize(head.weight), head.bias)
     return True
+
+
+def stored_floats(rows: QuantizedRows) -> torch.Tensor:
+    """The float32 values of int8 rows without offsets (q * scale), as a checkpoint's own
+    dequantization computes them (a GGUF's Q8_0: gguf_weights.q8_0_float)."""
+    n, k = rows.q.shape
+    return (rows.q.view(n, k // rows.group, rows.group) * rows.scales[..., None]).view(n, k)
 
 
 def weight_bytes(model: nn.Module) -> int:

@@ -268,13 +268,13 @@ def test_metrics_and_rss() -> None:
     samples = [
         Sample(0.0, {PREFIX_HITS: 10, PREFIX_QUERIES: 100, "loraplex_kv_cache_usage_ratio": 0.0,
                      STEPS: 10, STEP_SECONDS: 1.0, KV_FILLED: 1.0},
-               rss_bytes=100 * 2**20),
+               rss_bytes=100 * 2**20, hwm_bytes=400 * 2**20),
         Sample(0.5, {PREFIX_HITS: 40, PREFIX_QUERIES: 150, "loraplex_kv_cache_usage_ratio": 0.6,
                      STEPS: 20, STEP_SECONDS: 2.0, KV_FILLED: 0.9},
-               rss_bytes=300 * 2**20),
+               rss_bytes=300 * 2**20, hwm_bytes=400 * 2**20),
         Sample(1.0, {PREFIX_HITS: 60, PREFIX_QUERIES: 200, "loraplex_kv_cache_usage_ratio": 0.2,
                      STEPS: 30, STEP_SECONDS: 4.0, KV_FILLED: 0.96},
-               rss_bytes=200 * 2**20),
+               rss_bytes=200 * 2**20, hwm_bytes=420 * 2**20),
         Sample(1.5, {PREFIX_HITS: 60, PREFIX_QUERIES: 200, "loraplex_kv_cache_usage_ratio": 0.0,
                      STEPS: 30, STEP_SECONDS: 4.0, KV_FILLED: 1.0},
                rss_bytes=150 * 2**20),
@@ -285,11 +285,19 @@ def test_metrics_and_rss() -> None:
     # Gauges leave out the samples before and after the load.
     assert summary.kv_usage_mean == pytest.approx(0.4) and summary.kv_usage_max == 0.6
     assert (summary.rss_peak_mib, summary.rss_end_mib) == (300.0, 150.0)
+    # The peak since the server's start (its load's, above any sample's RSS): the last
+    # sample that has one.
+    assert summary.rss_peak_since_start_mib == 420.0
     # Filled slots only while KV is in use; steps: 20 steps in 3 s.
     assert (summary.kv_filled_mean, summary.kv_filled_min) == (0.93, 0.9)
     assert summary.mean_step_s == 0.15
     rss = read_rss_bytes(os.getpid())
     assert rss is not None and rss > 10 * 2**20
+    grown = b"\x01" * (64 * 2**20)  # written: the peak is at least this much above
+    hwm = read_rss_bytes(os.getpid(), "VmHWM")
+    del grown
+    assert hwm is not None and hwm >= rss + 60 * 2**20
+    assert read_rss_bytes(2**22 + 12345, "VmHWM") is None
     assert read_rss_bytes(2**22 + 12345) is None  # past Linux's pid_max
 
 
@@ -349,6 +357,7 @@ def test_sweep_sends_the_schedule_and_counts_every_token(
         assert s.goodput_fraction == 1.0 and s.goodput == pytest.approx(s.request_throughput)
         assert s.server is not None and s.server.kv_usage_max == 0.25
         assert s.server.rss_peak_mib is None  # not a process started here
+        assert s.server.rss_peak_since_start_mib is None
         assert {r.model for r in run.records} <= {"fake-model", "tenant-a", "tenant-b"}
     paced, burst = report.runs
     assert [r.scheduled_s for r in paced.records] == expected_arrivals
@@ -445,6 +454,8 @@ async def test_monitor_samples_metrics_and_rss_in_the_background(
     assert summary.prefix_cache_queried_tokens == 0 and summary.prefix_cache_hit_rate is None
     peak, end = summary.rss_peak_mib, summary.rss_end_mib
     assert peak is not None and end is not None and peak >= end > 10
+    assert summary.rss_peak_since_start_mib is not None
+    assert summary.rss_peak_since_start_mib >= peak
 
 
 def test_a_server_that_fails_to_start_is_quoted() -> None:

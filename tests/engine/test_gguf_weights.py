@@ -41,9 +41,11 @@ def test_the_gguf_reader_gives_the_values_transformers_converts(smollm2_dir: Pat
     seen = set()
     quantized = 0
     for name, value in gguf_tensors(bundled_gguf_path(), load_model_config(smollm2_dir),
-                                    native_int4=True):
+                                    native=True):
         if isinstance(value, QuantizedRows):
-            assert (value.bits, value.group) == (4, GGUF_GROUP), name
+            # The decoder linears' Q4_1 blocks, and the embedding table's Q8_0 ones.
+            bits = 8 if name == "model.embed_tokens.weight" else 4
+            assert (value.bits, value.group) == (bits, GGUF_GROUP), name
             got = cpu_quant.dequantize_reference(value.pack())
             quantized += 1
         else:
@@ -52,7 +54,7 @@ def test_the_gguf_reader_gives_the_values_transformers_converts(smollm2_dir: Pat
         assert torch.equal(got, cache[name]), (name, float((got - cache[name]).abs().max()))
         seen.add(name)
     assert seen == set(cache)
-    assert quantized == 7 * 30  # every decoder linear of the 30 layers is Q4_1
+    assert quantized == 7 * 30 + 1  # every decoder linear of the 30 layers is Q4_1
 
 
 def test_a_damaged_gguf_fails_in_one_line(tmp_path: Path) -> None:
@@ -89,13 +91,23 @@ def served_from_blocks(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFacto
     return core, oracle, adapters
 
 
-def test_int4_on_the_bundled_model_serves_its_q4_1_blocks(served_from_blocks) -> None:
+def test_int4_on_the_bundled_model_serves_its_q4_1_blocks(served_from_blocks,
+                                                          smollm2_dir: Path) -> None:
     core, oracle, adapters = served_from_blocks
     assert core.runner.gguf_source == bundled_gguf_path()
     assert core.runner.describe_quantization() == "int4 (groups of 32), as stored: GGUF Q4_1"
-    layers = [m for m in core.runner.model.layers.modules() if isinstance(m, QuantLinear)]
+    model = core.runner.model
+    layers = [m for m in model.layers.modules() if isinstance(m, QuantLinear)]
     assert len(layers) == 4 * 30
     assert {(m.quantized.bits, m.quantized.group_size) for m in layers} == {(4, GGUF_GROUP)}
+    # The embedding table is the file's Q8_0 blocks as stored (no float table made): the
+    # integers and scales that quantizing its float values (transformers' conversion)
+    # gives, and the tied output projection reads the same ones.
+    table = model.embed_tokens.quantized
+    floats = next(t for n, t in iter_safetensors(smollm2_dir) if n == "model.embed_tokens.weight")
+    want = cpu_quant.quantize(floats, 8, GGUF_GROUP)
+    assert torch.equal(table.qweight, want.qweight) and torch.equal(table.scales, want.scales)
+    assert model.lm_head.quantized is table and model.embedding_rows is None
     assert_engine_agrees_with_oracle(core, oracle, adapters)
 
 

@@ -28,19 +28,22 @@ def _mapped(path: Path) -> bool:
 
 
 @pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs Linux's /proc")
-def test_reading_the_gguf_leaves_no_mapping_once_its_tensors_are_dropped(
-    smollm2_dir: Path,
-) -> None:
+def test_reading_the_gguf_holds_no_mapping_of_it(smollm2_dir: Path) -> None:
+    """The header is read from a mapping released before the first tensor is given, and
+    each tensor's bytes are read into memory of their own: a mapping's pages stayed in the
+    RSS for the whole load (the file's 96 MiB on top of the weights made from it)."""
     path = bundled_gguf_path()
     config = load_model_config(smollm2_dir)
     gc.collect()
     gc.disable()  # no collector pass may be what unmaps it
     try:
-        tensors = gguf_tensors(path, config, native_int4=True)
-        name, first = next(tensors)
-        assert _mapped(path), "the reader maps the file while it reads"
-        names = [name] + [n for n, _ in tensors]
-        del tensors, first
+        tensors = gguf_tensors(path, config, native=True)
+        names, held = [], []
+        for name, tensor in tensors:
+            names.append(name)
+            held.append(tensor)  # the tensors given so far, all of them kept
+            if len(names) in (1, 100):
+                assert not _mapped(path), f"mapped while {name} is read"
         assert len(names) == 272 and not _mapped(path)
     finally:
         gc.enable()
@@ -139,3 +142,78 @@ def test_a_bias_read_after_its_layers_weights_is_kept(tiny_model_factory,
             want = tensor.to(dtype).float()
             assert any(torch.equal(layer.bias_f32[i:i + want.numel()], want)
                        for i in range(0, layer.bias_f32.numel() - want.numel() + 1)), name
+
+
+def _with_stored_embeddings(model_dir: Path, q_edit=None, group: int = 32):
+    """The checkpoint's tensors, its embedding table as int8 QuantizedRows in `group`s (a
+    GGUF's Q8_0 blocks), and those rows."""
+    from engine.models.quantized import QuantizedRows
+
+    tensors = dict(iter_safetensors(model_dir))
+    table = tensors["model.embed_tokens.weight"]
+    q, scales, _, _ = cpu_quant.quantize_integers(table, 8, group)
+    if q_edit is not None:
+        q_edit(q)
+    rows = QuantizedRows(q, scales, None, 8, group)
+    tensors["model.embed_tokens.weight"] = rows  # type: ignore[assignment]
+    return tensors, rows
+
+
+def _load_stored(model_dir: Path, tensors) -> torch.nn.Module:
+    config = load_model_config(model_dir)
+    model = model_class_for(config)(config, dtype=torch.float32, quantized_linears=True)
+    model.load_weights(iter(tensors.items()), quantize=QuantizationSpec("int8"))
+    return model
+
+
+@pytest.mark.skipif(not cpu_quant.available(), reason="no C compiler here")
+def test_an_embedding_table_stored_as_int8_is_served_as_stored(tiny_model_factory) -> None:
+    from engine.models.quantized import QuantEmbedding, quantize_embeddings
+
+    model_dir = tiny_model_factory("llama_gqa")
+    tensors, rows = _with_stored_embeddings(model_dir)
+    model = _load_stored(model_dir, tensors)
+    assert model.embedding_rows is rows  # kept aside; the float table never written
+    assert quantize_embeddings(model, torch.float32)
+    assert isinstance(model.embed_tokens, QuantEmbedding) and model.embedding_rows is None
+    want = cpu_quant.pack(rows.q, rows.scales, None, 8, 32)
+    got = model.embed_tokens.quantized
+    assert torch.equal(got.qweight, want.qweight) and torch.equal(got.scales, want.scales)
+    assert model.lm_head.quantized is got
+
+
+@pytest.mark.skipif(not cpu_quant.available(), reason="no C compiler here")
+@pytest.mark.parametrize("case", ["an integer of -128", "groups of 16"])
+def test_an_int8_table_off_the_served_grid_is_quantized_from_its_values(
+        tiny_model_factory, case: str) -> None:
+    """An integer the symmetric layouts do not hold, or groups other than the served ones:
+    the table's float values (q * scale) are quantized as a float checkpoint's would be."""
+    from engine.models.quantized import quantize_embeddings, stored_floats
+
+    def edit(q: torch.Tensor) -> None:
+        q[5, 3] = -128
+
+    model_dir = tiny_model_factory("llama_gqa")
+    tensors, rows = _with_stored_embeddings(
+        model_dir, q_edit=edit if case == "an integer of -128" else None,
+        group=16 if case == "groups of 16" else 32)
+    model = _load_stored(model_dir, tensors)
+    assert quantize_embeddings(model, torch.float32)
+    want = cpu_quant.quantize(stored_floats(rows), 8, 32)
+    got = model.embed_tokens.quantized
+    assert torch.equal(got.qweight, want.qweight) and torch.equal(got.scales, want.scales)
+
+
+def test_an_int8_table_kept_as_floats_gets_its_values(smollm2_dir: Path,
+                                                      tmp_path: Path) -> None:
+    """A vocabulary that is not a multiple of the kernels' 16-row blocks keeps its table
+    in floats: the stored rows' values are written into it."""
+    from engine.models.quantized import quantize_embeddings, stored_floats
+    from tests.utils.tiny_models import make_tiny_model
+
+    model_dir = make_tiny_model(tmp_path / "odd_vocab", smollm2_dir, vocab_size=1000)
+    tensors, rows = _with_stored_embeddings(model_dir)
+    model = _load_stored(model_dir, tensors)
+    assert not quantize_embeddings(model, torch.float32)
+    assert model.embedding_rows is None
+    assert torch.equal(model.embed_tokens.weight, stored_floats(rows))
