@@ -55,6 +55,22 @@ def test_linear_equals_a_dense_matmul_over_the_dequantized_weights(
         torch.testing.assert_close(y.float(), ref, rtol=2**-8, atol=1e-3)
 
 
+@pytest.mark.parametrize(("bits", "group"), [(4, 32), (8, 32), (4, 64)])
+@pytest.mark.parametrize("inputs", [576, 320])
+@pytest.mark.parametrize("rows", [12, 33])
+def test_chunks_of_several_groups_give_each_input_its_groups_scale(
+    bits: int, group: int, inputs: int, rows: int
+) -> None:
+    """Float32 rows of many rows on AVX2 run chunks of several whole groups with each
+    weight scaled as it is converted (576 inputs in groups of 32: chunks of 96, three
+    groups; 320: chunks of 64, two groups of 32 or one of 64)."""
+    w = _weight(48, inputs, 6)
+    qw = cpu_quant.quantize(w, bits, group)
+    x = torch.randn(rows, inputs, generator=torch.Generator().manual_seed(7))
+    ref = torch.nn.functional.linear(x, cpu_quant.dequantize(qw))
+    torch.testing.assert_close(cpu_quant.linear(x, qw), ref, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_group_longer_than_the_kernels_chunk_is_summed_across_chunks(
     dtype: torch.dtype,
