@@ -549,9 +549,10 @@ DEFINE_SCALED_TILE(1)
    a weight, shared by every row), then every row's tiles add the chunk's products into
    the outputs, a chunk of several groups at a time: no group's sums are scaled per row
    tile. SmolLM2's 120 int4 layers (groups of 32) on an AVX2 EPYC (Zen 3), the kernel
-   alone: 42.8 ms at 32 rows and 79.9 at 64 against 46.9 and 90.1 with the fused groups
-   below; from 12 rows on (at 8 the same, at 1 the fused groups' 7.2 ms against 8.0: the
-   multiply-add per weight is not shared by enough rows). Grouped int8 the same way. */
+   alone: 47.1 ms at 32 rows and 87.0 at 64 against 57.4 and 107.3 with the fused groups
+   below; from 12 rows on (at 8 rows 18.3 against 17.8 ms, and fewer lose more: the
+   multiply-add per weight is not shared by enough rows). Grouped int8 the same way; per
+   channel, scaled once per output, it gains nothing and keeps its path. */
 #define SCALED_CHUNKS 1
 #ifndef SCALED_MIN_ROWS /* (a build for comparisons may set it) */
 #define SCALED_MIN_ROWS 12

@@ -316,7 +316,9 @@ def quantize_embeddings(model: nn.Module, dtype: torch.dtype,
     "w8a8"). At bf16 on AVX-512 VNNI otherwise: cpu_qdot's layout with wide activations
     (still weight-only, the same integers). False (both kept in `dtype`) where the
     vocabulary is not a multiple of the kernels' 16-row blocks, and on a GPU (a lookup and
-    a dense matmul there; not measured quantized yet)."""
+    a dense matmul there; not measured quantized yet). A table the checkpoint stored as
+    int8 (the model's `embedding_rows`, a GGUF's Q8_0) is packed as stored where it is on
+    this grid, else its values are written into the float table first."""
     table = cast(nn.Embedding, model.embed_tokens).weight
     vocab, hidden = table.shape
     group = embedding_group(hidden)
@@ -327,7 +329,7 @@ def quantize_embeddings(model: nn.Module, dtype: torch.dtype,
     if stored is not None and (stored.group != group or bool((stored.q == -128).any())
                                or not bool(torch.isfinite(stored.scales).all())):
         # Not this grid (or an integer the symmetric layouts do not hold): as floats.
-        table.data = stored_floats(stored).to(table.dtype)
+        table.data = stored_floats(stored).to(table.device, table.dtype)
         stored = None
     if not quantizes_embeddings(vocab) or table.device.type != "cpu":
         if stored is not None:
