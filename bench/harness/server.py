@@ -225,16 +225,23 @@ def process_tree(pid: int) -> list[int]:
     return found
 
 
-def tree_rss_bytes(pid: int, field: str = "VmRSS") -> int:
-    """VmRSS (or another of /proc/PID/status' kB fields: VmHWM, the peak since the
-    process started) of `pid` and the processes below it, summed; OSError if `pid` is
-    gone. Summed peaks are an upper bound of the tree's peak: each process's may come at
-    another moment."""
-    total = int(proc_status(pid)[field].split()[0]) * 1024  # kB
+def tree_memory_bytes(pid: int) -> dict[str, int]:
+    """VmRSS (now) and VmHWM (the peak since each process started) of `pid` and the
+    processes below it, each summed, in bytes (a field /proc does not show is left out);
+    OSError if `pid` is gone. Summed peaks are an upper bound of the tree's peak: each
+    process's may come at another moment."""
+    status = proc_status(pid)
+    statuses = [status]
     for child in process_tree(pid)[1:]:
-        with contextlib.suppress(OSError, KeyError):
-            total += int(proc_status(child)[field].split()[0]) * 1024
-    return total
+        with contextlib.suppress(OSError):
+            statuses.append(proc_status(child))
+    return {k: sum(int(st[k].split()[0]) for st in statuses if k in st) * 1024  # kB
+            for k in ("VmRSS", "VmHWM") if k in status}
+
+
+def tree_rss_bytes(pid: int) -> int:
+    """VmRSS of `pid` and the processes below it, summed; OSError if `pid` is gone."""
+    return tree_memory_bytes(pid)["VmRSS"]
 
 
 @dataclass(slots=True)
@@ -248,15 +255,9 @@ class ProcessMemory:
         """VmRSS (now) and VmHWM (the peaks so far), each summed over the process tree;
         {} where /proc has no such process."""
         try:
-            status = proc_status(self.pid)
+            return {k: v // 2**20 for k, v in tree_memory_bytes(self.pid).items()}
         except OSError:
             return {}
-        statuses = [status]
-        for child in process_tree(self.pid)[1:]:
-            with contextlib.suppress(OSError):
-                statuses.append(proc_status(child))
-        return {k: sum(int(st[k].split()[0]) for st in statuses if k in st) // 1024
-                for k in ("VmRSS", "VmHWM") if k in status}
 
     def rss_mb(self) -> int | None:
         return self.read().get("VmRSS")

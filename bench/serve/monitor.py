@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.harness.server import tree_rss_bytes
+from bench.harness.server import tree_memory_bytes
 
 KV_USAGE = "loraplex_kv_cache_usage_ratio"
 RUNNING = "loraplex_num_requests_running"
@@ -67,12 +67,12 @@ def parse_metrics(text: str) -> dict[str, float]:
     return values
 
 
-def read_rss_bytes(pid: int, field: str = "VmRSS") -> int | None:
-    """VmRSS (or VmHWM, the peak so far) of a live process and the processes below it
+def read_memory_bytes(pid: int) -> dict[str, int] | None:
+    """VmRSS and VmHWM (the peak so far) of a live process and the processes below it
     (Linux), None once it is gone."""
     try:
-        return tree_rss_bytes(pid, field)
-    except (OSError, KeyError):
+        return tree_memory_bytes(pid)
+    except OSError:
         return None
 
 
@@ -115,8 +115,8 @@ class ServerMonitor:
             # A server without loraplex's series (another product): RSS only from now on.
             self._scrape = KV_USAGE in sample.metrics
         if self._pid is not None:
-            sample.rss_bytes = read_rss_bytes(self._pid)
-            sample.hwm_bytes = read_rss_bytes(self._pid, "VmHWM")
+            memory = read_memory_bytes(self._pid) or {}
+            sample.rss_bytes, sample.hwm_bytes = memory.get("VmRSS"), memory.get("VmHWM")
         self.samples.append(sample)
 
     async def _metrics(self) -> dict[str, float]:

@@ -30,7 +30,7 @@ from bench.serve.monitor import (
     Sample,
     ServerMonitor,
     parse_metrics,
-    read_rss_bytes,
+    read_memory_bytes,
     summarize_samples,
 )
 from bench.serve.options import ServeOptions
@@ -291,14 +291,15 @@ def test_metrics_and_rss() -> None:
     # Filled slots only while KV is in use; steps: 20 steps in 3 s.
     assert (summary.kv_filled_mean, summary.kv_filled_min) == (0.93, 0.9)
     assert summary.mean_step_s == 0.15
-    rss = read_rss_bytes(os.getpid())
-    assert rss is not None and rss > 10 * 2**20
+    memory = read_memory_bytes(os.getpid())
+    assert memory is not None
+    rss = memory["VmRSS"]
+    assert rss > 10 * 2**20
     grown = b"\x01" * (64 * 2**20)  # written: the peak is at least this much above
-    hwm = read_rss_bytes(os.getpid(), "VmHWM")
+    after = read_memory_bytes(os.getpid())
     del grown
-    assert hwm is not None and hwm >= rss + 60 * 2**20
-    assert read_rss_bytes(2**22 + 12345, "VmHWM") is None
-    assert read_rss_bytes(2**22 + 12345) is None  # past Linux's pid_max
+    assert after is not None and after["VmHWM"] >= rss + 60 * 2**20
+    assert read_memory_bytes(2**22 + 12345) is None  # past Linux's pid_max
 
 
 # ---------------------------------------------------------------------------- over HTTP
