@@ -29,7 +29,7 @@ import torch
 
 from engine.models.base import EMBEDDING_NAME
 from engine.models.config import ModelConfig, ModelLoadError
-from engine.models.quantized import QuantizedRows
+from engine.models.quantized import QuantizedRows, stored_floats
 
 GGUF_GROUP = 32  # weights per ggml block
 
@@ -72,22 +72,25 @@ def _unpermute(heads: int) -> Callable[[torch.Tensor], torch.Tensor]:
     return rows
 
 
+def _fp16(blocks: torch.Tensor, at: int) -> torch.Tensor:
+    """The little-endian fp16 field at byte `at` of each block ([..., blocks, bytes]), as
+    float32 [..., blocks]."""
+    return blocks[..., at:at + 2].contiguous().view(torch.float16)[..., 0].float()
+
+
 def q4_1_rows(raw: np.ndarray, k: int) -> QuantizedRows:
     """Q4_1 rows (uint8 [N, K / 32 * 20]) -> int4 groups of 32 with scales and minimums."""
     blocks = torch.from_numpy(raw).view(raw.shape[0], k // 32, 20)
-    d = blocks[..., 0:2].contiguous().view(torch.float16)[..., 0].float()
-    m = blocks[..., 2:4].contiguous().view(torch.float16)[..., 0].float()
     qs = blocks[..., 4:20]
     q = torch.cat((qs & 15, qs >> 4), dim=-1).reshape(raw.shape[0], k)
-    return QuantizedRows(q.contiguous(), d, m, 4, GGUF_GROUP)
+    return QuantizedRows(q.contiguous(), _fp16(blocks, 0), _fp16(blocks, 2), 4, GGUF_GROUP)
 
 
 def q8_0_rows(raw: np.ndarray, k: int) -> QuantizedRows:
     """Q8_0 rows (uint8 [N, K / 32 * 34]) -> int8 groups of 32 with their scales."""
     blocks = torch.from_numpy(raw).view(raw.shape[0], k // 32, 34)
-    d = blocks[..., 0:2].contiguous().view(torch.float16)[..., 0].float()
     q = blocks[..., 2:34].contiguous().view(torch.int8).reshape(raw.shape[0], k)
-    return QuantizedRows(q, d, None, 8, GGUF_GROUP)
+    return QuantizedRows(q, _fp16(blocks, 0), None, 8, GGUF_GROUP)
 
 
 Q8_0_CHUNK_ROWS = 4096
@@ -104,10 +107,7 @@ def q8_0_float(raw: np.ndarray, k: int) -> torch.Tensor:
     out = torch.empty(n, k)
     for start in range(0, n, Q8_0_CHUNK_ROWS):
         stop = min(n, start + Q8_0_CHUNK_ROWS)
-        blocks = torch.from_numpy(raw[start:stop]).view(stop - start, k // 32, 34)
-        d = blocks[..., 0:2].contiguous().view(torch.float16).float()
-        q = blocks[..., 2:34].contiguous().view(torch.int8)
-        torch.mul(q, d, out=out[start:stop].view(stop - start, k // 32, 32))
+        out[start:stop] = stored_floats(q8_0_rows(raw[start:stop], k))
     return out
 
 

@@ -326,14 +326,15 @@ def quantize_embeddings(model: nn.Module, dtype: torch.dtype,
     stored: QuantizedRows | None = getattr(model, "embedding_rows", None)
     if stored is not None:
         model.__dict__["embedding_rows"] = None  # (a plain attribute of CausalLM)
-    if stored is not None and (stored.group != group or bool((stored.q == -128).any())
-                               or not bool(torch.isfinite(stored.scales).all())):
-        # Not this grid (or an integer the symmetric layouts do not hold): as floats.
+    quantizing = quantizes_embeddings(vocab) and table.device.type == "cpu"
+    if stored is not None and not (
+            quantizing and stored.group == group and not bool((stored.q == -128).any())
+            and bool(torch.isfinite(stored.scales).all())):
+        # Kept in floats, or not this grid (or an integer the symmetric layouts do not
+        # hold): the table gets the stored values, quantized below where it is quantized.
         table.data = stored_floats(stored).to(table.device, table.dtype)
         stored = None
-    if not quantizes_embeddings(vocab) or table.device.type != "cpu":
-        if stored is not None:
-            table.data = stored_floats(stored).to(table.device, table.dtype)
+    if not quantizing:
         return False
 
     wide = (not int8_activations and group is not None

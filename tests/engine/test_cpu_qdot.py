@@ -36,12 +36,14 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 # (N, K): blocks of 16 columns in threes and left over (48: 3, 64: 3 + 1, 80: 3 + 2);
 # inputs in groups of 64, 32, 16 and 4.
 SHAPES = [(48, 128), (64, 96), (80, 576), (960, 576), (16, 48), (32, 36)]
+# Every row tile (4, 2 and 1 rows) alone and after others, a decode step's 32, and more.
+ROW_COUNTS = [1, 2, 3, 4, 5, 7, 13, 32, 130]
 
 
 @pytest.mark.parametrize(("n", "k", "group"),
                          [*((n, k, None) for n, k in SHAPES), (80, 576, 32), (64, 96, 16),
                           (48, 128, 32)])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 13, 32, 130])
+@pytest.mark.parametrize("rows", ROW_COUNTS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_linear_equals_the_reference_and_the_generic_build(
     n: int, k: int, group: int | None, rows: int, dtype: torch.dtype
@@ -226,7 +228,7 @@ def _wide(n: int, k: int, seed: int, group: int | None = None) -> cpu_qdot.QDotW
                           # activations' sums per group: 16-multiples, and 4 and 12
                           (80, 576, 32), (48, 128, 64), (1024, 576, 32), (32, 36, 4),
                           (16, 96, 12)])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 13, 32, 130])
+@pytest.mark.parametrize("rows", ROW_COUNTS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_wide_linear_equals_the_reference_and_the_generic_build(
     n: int, k: int, group: int | None, rows: int, dtype: torch.dtype
