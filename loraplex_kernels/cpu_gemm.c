@@ -151,15 +151,24 @@ static int amx_linear(const bf16_t *x, int64_t x_stride, int64_t m, int64_t k,
 #ifdef HAVE_DPBF16
 /* The weights of the group a thread runs next: its 2 C blocks' lines (one input pair of a
    block's 16 columns, 64 bytes, each), fetched into L2 while the current group runs, so
-   that the next group's first rows find them there instead of waiting on memory. At a few
-   rows, where a group's arithmetic is short, that wait was a good part of the layer: a
-   step's linears at 8 and 16 rows ~13-18% faster with it on a Zen 4. From 32 rows on the
-   arithmetic bounds the layer, and the fetches only cost (with the weights in L3, 12-15%
-   slower; from memory, no faster), so larger steps do without (docs/BENCHMARKS.md). */
+   that the next group's first rows find them there instead of waiting on memory.
+   - Up to PREFETCH_TILES row tiles (16 rows), where a group's arithmetic is short, its
+     lines are spread over the tiles in the order that group reads them, several an input
+     pair: a step's linears at 8 and 16 rows ~13-18% faster with it on a Zen 4.
+   - From more tiles on, row tile t fetches whole blocks of the next group (t, t + tiles,
+     ...): one unconditional prefetch next to each input pair's loads. The spread's
+     bookkeeping in that loop cost more than the fetches saved there (with the weights in
+     L3, 12-15% slower at 32 rows); one stream a tile took SmolLM2's 120 linears at 32 rows
+     from ~21 to ~19 ms, at 20-24 rows 12-20% off, with nothing lost in L3.
+   - Beyond PREFETCH_MAX_TILES (128 rows) the weights' read is a small part of a group's
+     time, and lines fetched early only crowd the rows of x out of L2: nothing is fetched
+     (docs/BENCHMARKS.md). */
 #define PREFETCH_TILES 4
+#define PREFETCH_MAX_TILES 32
 struct next_group {
     const bf16_t *w[6];
     int64_t blocks;  /* 2 C, each `pairs` lines; 0: nothing to fetch */
+    int64_t tiles;   /* the row tiles the current group runs */
 };
 
 /* Rows [r0, r0 + R) of x against 2 C column blocks: j .. j + C - 1 and, C blocks of sums
@@ -180,14 +189,25 @@ static inline __attribute__((always_inline)) void dp_block(
         w[C + c] = packed + (half + j + c) * pairs * 32;
     }
     const bf16_t *xr = x + r0 * x_stride;
-    /* the next group's lines this tile fetches, in the order that group reads them: input
-       pair np of each of its blocks in turn (block nb), then the next pair */
-    const int64_t first = tile * pairs * rate;
-    int64_t left = next->blocks * pairs - first, nb = 0, np = 0;
-    if (left > 0) nb = first % next->blocks, np = first / next->blocks;
+    /* the next group's lines this tile fetches. Up to PREFETCH_TILES tiles: `rate` an input
+       pair, in the order that group reads them (input pair np of each of its blocks in
+       turn, block nb, then the next pair). Beyond: the blocks tile, tile + tiles (at most
+       two, as tiles > PREFETCH_TILES >= 3), the line of pair p of each beside pair p's. */
+    int64_t left = 0, nb = 0, np = 0;
+    const bf16_t *s0 = NULL, *s1 = NULL;
+    if (next->tiles <= PREFETCH_TILES) {
+        const int64_t first = tile * pairs * rate;
+        left = next->blocks * pairs - first;
+        if (left > 0) nb = first % next->blocks, np = first / next->blocks;
+    } else {
+        if (tile < next->blocks) s0 = next->w[tile];
+        if (tile + next->tiles < next->blocks) s1 = next->w[tile + next->tiles];
+    }
     for (int64_t p = 0; p < pairs; p++) {
         __m512bh b[6];
         for (int c = 0; c < 2 * C; c++) b[c] = (__m512bh)_mm512_loadu_si512(w[c] + p * 32);
+        if (s0 != NULL) _mm_prefetch((const char *)(s0 + p * 32), _MM_HINT_T1);
+        if (s1 != NULL) _mm_prefetch((const char *)(s1 + p * 32), _MM_HINT_T1);
         for (int64_t i = 0; i < rate && left > 0; i++, left--) {
             _mm_prefetch((const char *)(next->w[nb] + np * 32), _MM_HINT_T1);
             if (++nb == next->blocks) nb = 0, np++;
@@ -218,7 +238,7 @@ static inline __attribute__((always_inline)) void dp_block(
 }
 
 /* Column blocks [j, j + C) and their partners, all rows: 4 at a time, then the rest; the
-   next group's weights are prefetched over the tiles (tile t, `rate` lines an input pair). */
+   next group's weights are prefetched over the tiles (tile t: struct next_group). */
 #define DP_BLOCK(R, C)                                                                      \
     dp_block(x, x_stride, r0, R, C, j, half, packed, pairs, n, bias, y, silu_mul, &next,    \
              r0 / 4, rate)
@@ -249,8 +269,8 @@ static int dp_linear(const bf16_t *x, int64_t x_stride, int64_t m, int64_t k,
                      int64_t num_threads, int silu_mul) {
     if (m < 1 || n % 32 != 0 || k % 32 != 0 || n == 0 || k == 0) return 1;
     const int64_t half = n / 32, pairs = k / 2, groups = (half + 2) / 3;
-    /* the row tiles a group runs, over which the next group's lines are spread; fetched
-       only for steps of up to PREFETCH_TILES tiles (see struct next_group) */
+    /* the row tiles a group runs, over which the next group's lines are fetched (see
+       struct next_group) */
     const int64_t tiles = (m + 3) / 4;
     /* Groups are handed out one at a time from a shared counter, each thread taking its
        next group when it starts one (so that it can fetch that group's weights meanwhile):
@@ -263,8 +283,8 @@ static int dp_linear(const bf16_t *x, int64_t x_stride, int64_t m, int64_t k,
         while (g < groups) {
             const int64_t following = __atomic_fetch_add(&taken, 1, __ATOMIC_RELAXED);
             const int64_t j = g * 3, blocks = half - j < 3 ? half - j : 3;
-            struct next_group next = {.blocks = 0};
-            if (following < groups && tiles <= PREFETCH_TILES) {
+            struct next_group next = {.blocks = 0, .tiles = tiles};
+            if (following < groups && tiles <= PREFETCH_MAX_TILES) {
                 const int64_t nj = following * 3, nc = half - nj < 3 ? half - nj : 3;
                 for (int64_t c = 0; c < nc; c++) {
                     next.w[c] = packed + (nj + c) * pairs * 32;
@@ -272,8 +292,10 @@ static int dp_linear(const bf16_t *x, int64_t x_stride, int64_t m, int64_t k,
                 }
                 next.blocks = 2 * nc;
             }
-            /* lines an input pair, so that the next group's 2 C x pairs fit in the tiles */
-            const int64_t rate = (next.blocks + tiles - 1) / tiles;
+            /* up to PREFETCH_TILES tiles: lines an input pair, so that the next group's
+               2 C x pairs fit in the tiles (beyond, dp_block takes whole blocks) */
+            const int64_t rate =
+                tiles <= PREFETCH_TILES ? (next.blocks + tiles - 1) / tiles : 0;
             switch (blocks) {
             case 3: DP_ROWS(3); break;
             case 2: DP_ROWS(2); break;

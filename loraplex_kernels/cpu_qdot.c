@@ -279,19 +279,21 @@ static inline __attribute__((always_inline)) void store16_out(void *y, int bf16,
 /* R rows (xq, comp, sx at the tile's first row) against C blocks of 16 columns (wb at the
    first block's packed bytes, wstride bytes apart; sw at the first block's scales and bias
    at its first column), into y at the tile's first row and column. `grouped` is a
-   constant where it is called, so each call keeps one of the two scale paths. */
+   constant where it is called, so each call keeps one of the two scale paths. pf: a block
+   to fetch into L2 beside the tile's own (one line an input step), or NULL. */
 #define DEFINE_TILE(R, C)                                                                   \
     static inline __attribute__((always_inline)) void tile_##R##x##C(                       \
         const int8_t *restrict xq, const int32_t *restrict comp, const float *restrict sx,  \
         int64_t K, int64_t ag, const uint8_t *restrict wb, int64_t wstride,                 \
         const float *restrict sw, const float *restrict bias, void *y, int64_t y_stride,    \
-        int y_bf16, const int grouped) {                                                    \
+        int y_bf16, const int grouped, const uint8_t *pf) {                                 \
         const int64_t G = K / ag;                                                           \
         ROWS_##R(R_DECL)                                                                    \
         for (int64_t g = 0; g < G; g++) {                                                   \
             ROWS_##R(R_START)                                                               \
             for (int64_t k = g * ag; k < (g + 1) * ag; k += 4) {                            \
                 BLOCKS(B_LOAD)                                                              \
+                if (pf != NULL) _mm_prefetch((const char *)(pf + k * CB), _MM_HINT_T1);    \
                 ROWS_##R(R_DOT)                                                             \
             }                                                                               \
             BLOCKS(B_GROUP)                                                                 \
@@ -331,6 +333,12 @@ DEFINE_TILE(1, 1)
         }                                                                                   \
     }
 
+/* The most rows of a step whose row tiles fetch the thread's next unit of weights while
+   they run (wide_unit, run_blocks): at 8-64 rows a layer waits on its weights' read, and
+   the fetch takes 6-20% off (docs/BENCHMARKS.md); from 128 rows it gained nothing that
+   the noise resolved. */
+#define PREFETCH_ROWS 64
+
 /* Rows [r, r1) in tiles of 4, 2 and 1 rows (T4, T2, T1 called with AT(row)). */
 #define ROW_TILES(T4, T2, T1)                                                               \
     for (; r + 4 <= r1; r += 4) T4(AT(r));                                                  \
@@ -339,7 +347,8 @@ DEFINE_TILE(1, 1)
 
 /* Wide activations: R rows (xh, xl at the tile's first row, K apart; their start values
    h0, l0) against C blocks of 16 columns (wb, wstride bytes apart; colsum, sw, bias at the
-   first block's first column), into y. Two int32 sums a row and block: 4 x 2 x 2 = 16. */
+   first block's first column), into y. Two int32 sums a row and block: 4 x 2 x 2 = 16. pf:
+   a block to fetch into L2 beside the tile's own (one line an input step), or NULL. */
 #define W_DECL(r, c) __m512i h##r##c = hstart##r, l##r##c = _mm512_add_epi32(lstart##r, cq##c);
 #define W_DOT(r, c)                                                                         \
     h##r##c = _mm512_dpbusd_epi32(h##r##c, w##c, bh##r);                                    \
@@ -374,12 +383,13 @@ DEFINE_TILE(1, 1)
         const int32_t *restrict lsum, const float *restrict sx, int64_t K,                  \
         const uint8_t *restrict wb, int64_t wstride, const int32_t *restrict colsum,        \
         const float *restrict sw, const float *restrict bias, void *y, int64_t y_stride,    \
-        int y_bf16) {                                                                       \
+        int y_bf16, const uint8_t *pf) {                                                    \
         BLOCKS(WB_COLSUM)                                                                   \
         ROWS_##R(WR_START)                                                                  \
         ROWS_##R(WR_DECL)                                                                   \
         for (int64_t k = 0; k < K; k += 4) {                                                \
             BLOCKS(B_LOAD)                                                                  \
+            if (pf != NULL) _mm_prefetch((const char *)(pf + k * CB), _MM_HINT_T1);        \
             ROWS_##R(WR_DOT)                                                                \
         }                                                                                   \
         BLOCKS(WB_SCALE)                                                                    \
@@ -430,7 +440,7 @@ DEFINE_WIDE_TILE(1, 1)
         const int32_t *restrict lsum, const float *restrict sx, int64_t K, int64_t ag,      \
         const uint8_t *restrict wb, const int32_t *restrict colsum,                         \
         const float *restrict gsc, const float *restrict bias, void *y, int64_t y_stride,   \
-        int y_bf16) {                                                                       \
+        int y_bf16, const uint8_t *pf) {                                                    \
         const int64_t G = K / ag;                                                           \
         ROWS_##R(WG_DECL)                                                                   \
         for (int64_t g = 0; g < G; g++) {                                                   \
@@ -439,6 +449,7 @@ DEFINE_WIDE_TILE(1, 1)
             ROWS_##R(WG_START)                                                              \
             for (int64_t k = g * ag; k < (g + 1) * ag; k += 4) {                            \
                 const __m512i w0 = _mm512_loadu_si512(wb + k * CB);                         \
+                if (pf != NULL) _mm_prefetch((const char *)(pf + k * CB), _MM_HINT_T1);    \
                 ROWS_##R(WG_DOT)                                                            \
             }                                                                               \
             ROWS_##R(WG_ADD)                                                                \
@@ -450,41 +461,51 @@ DEFINE_WIDE_GROUPED_TILE(4)
 DEFINE_WIDE_GROUPED_TILE(2)
 DEFINE_WIDE_GROUPED_TILE(1)
 
-/* Wide activations: rows [r0, r1) against `nblocks` (2 or 1) blocks from block b. */
+/* Wide activations: rows [r0, r1) against `nblocks` (2 or 1) blocks from block b. `next`:
+   the thread's next unit (next_blocks blocks, K x 16 bytes each), or NULL: the first row
+   tiles fetch it into L2 as they run, tile t (4 rows) its block t, one line next to each of
+   its own, so that the next unit's first tile reads it from there instead of waiting on
+   memory. SmolLM2's 120 linears at 32 rows ~7% faster, at 8 rows ~18%, its output
+   projection at 32 rows ~20% (a Zen 4, docs/BENCHMARKS.md). */
 static void wide_unit(const int8_t *xh, const int8_t *xl, const int32_t *hsum,
                       const int32_t *lsum, const float *sx, int64_t K, const uint8_t *w,
                       const int32_t *colsum, const float *sw, const float *bias, int64_t b,
                       int nblocks, void *y, int64_t y_stride, int y_bf16, int64_t r0,
-                      int64_t r1) {
+                      int64_t r1, const uint8_t *next, int64_t next_blocks) {
     const int64_t wstride = K * CB;
     const uint8_t *wb = w + b * wstride;
     const size_t out_size = y_bf16 ? sizeof(bf16_t) : sizeof(float);
     const float *bb = bias != NULL ? bias + b * CB : NULL;
     int64_t r = r0;
+#define NEXT_BLOCK(r) ((r) - r0) / 4 < next_blocks ? next + ((r) - r0) / 4 * wstride : NULL
 #define AT(r) xh + (r) * K, xl + (r) * K, hsum + (r), lsum + (r), sx + (r), K, wb, wstride,  \
               colsum + b * CB, sw + b * CB, bb,                                             \
-              (char *)y + ((r) * y_stride + b * CB) * (int64_t)out_size, y_stride, y_bf16
+              (char *)y + ((r) * y_stride + b * CB) * (int64_t)out_size, y_stride, y_bf16,  \
+              NEXT_BLOCK(r)
     if (nblocks == 2) {
         ROW_TILES(wide_4x2, wide_2x2, wide_1x2)
     } else {
         ROW_TILES(wide_4x1, wide_2x1, wide_1x1)
     }
 #undef AT
+#undef NEXT_BLOCK
 }
 
-/* Grouped: rows [r0, r1) against block b (one block a unit). */
+/* Grouped: rows [r0, r1) against block b (one block a unit); the first row tile fetches
+   the next unit's block (`next`, or NULL), as wide_unit's do. */
 static void wide_grouped_unit(const int8_t *xh, const int8_t *xl, const int32_t *hsum,
                               const int32_t *lsum, const float *sx, int64_t K, int64_t ag,
                               const uint8_t *w, const int32_t *colsum, const float *sw,
                               const float *bias, int64_t b, void *y, int64_t y_stride,
-                              int y_bf16, int64_t r0, int64_t r1) {
+                              int y_bf16, int64_t r0, int64_t r1, const uint8_t *next) {
     const int64_t G = K / ag;
     const size_t out_size = y_bf16 ? sizeof(bf16_t) : sizeof(float);
     int64_t r = r0;
 #define AT(r) xh + (r) * K, xl + (r) * K, hsum + (r) * G, lsum + (r) * G, sx + (r), K, ag,   \
               w + b * K * CB, colsum + b * G * CB, sw + b * G * CB,                         \
               bias != NULL ? bias + b * CB : NULL,                                          \
-              (char *)y + ((r) * y_stride + b * CB) * (int64_t)out_size, y_stride, y_bf16
+              (char *)y + ((r) * y_stride + b * CB) * (int64_t)out_size, y_stride, y_bf16,  \
+              (r) == r0 ? next : NULL
     ROW_TILES(wide_grouped_4, wide_grouped_2, wide_grouped_1)
 #undef AT
 }
@@ -496,46 +517,55 @@ static void wide_gemm(const int8_t *xh, const int8_t *xl, const int32_t *hsum,
                       int64_t num_threads) {
     const int64_t nb = N / CB, pairs = nb / 2, units = grouped ? nb : pairs + nb % 2;
     EACH_UNIT_AND_ROW_CHUNK(units, T, num_threads,
+        /* the thread's next unit, in this row chunk */
+        const int has_next = u + 1 < u1 && (T) <= PREFETCH_ROWS;
         if (grouped)
             wide_grouped_unit(xh, xl, hsum, lsum, sx, K, ag, w, colsum, sw, bias, u, y,
-                              y_stride, y_bf16, r0, r1);
+                              y_stride, y_bf16, r0, r1,
+                              has_next ? w + (u + 1) * K * CB : NULL);
         else
             wide_unit(xh, xl, hsum, lsum, sx, K, w, colsum, sw, bias,
                       u < pairs ? 2 * u : 2 * pairs, u < pairs ? 2 : 1, y, y_stride, y_bf16,
-                      r0, r1);)
+                      r0, r1, has_next ? w + 2 * (u + 1) * K * CB : NULL,
+                      !has_next ? 0 : u + 1 < pairs ? 2 : 1);)
 }
 
-/* Rows [r0, r1) against `nblocks` (3 or 1) blocks from block b. */
+/* Rows [r0, r1) against `nblocks` (3 or 1) blocks from block b; the first row tiles fetch
+   the thread's next unit (`next`, next_blocks blocks, or NULL), as wide_unit's do. */
 static inline __attribute__((always_inline)) void run_blocks(
     const int8_t *xq, const int32_t *comp, const float *sx, int64_t K, int64_t ag,
     const uint8_t *w, const float *sw, const float *bias, int64_t b, int nblocks, void *y,
-    int64_t y_stride, int y_bf16, int64_t r0, int64_t r1, const int grouped) {
+    int64_t y_stride, int y_bf16, int64_t r0, int64_t r1, const int grouped,
+    const uint8_t *next, int64_t next_blocks) {
     const int64_t G = K / ag, wstride = K * CB;
     const uint8_t *wb = w + b * wstride;
     const float *swb = sw + b * (grouped ? G * CB : CB), *bb = bias != NULL ? bias + b * CB : NULL;
     const size_t out_size = y_bf16 ? sizeof(bf16_t) : sizeof(float);
     int64_t r = r0;
+#define NEXT_BLOCK(r) ((r) - r0) / 4 < next_blocks ? next + ((r) - r0) / 4 * wstride : NULL
 #define AT(r) xq + (r) * K, comp + (r) * G, sx + (r) * G, K, ag, wb, wstride, swb, bb,       \
               (char *)y + ((r) * y_stride + b * CB) * (int64_t)out_size, y_stride, y_bf16,  \
-              grouped
+              grouped, NEXT_BLOCK(r)
     if (nblocks == 3) {
         ROW_TILES(tile_4x3, tile_2x3, tile_1x3)
     } else {
         ROW_TILES(tile_4x1, tile_2x1, tile_1x1)
     }
 #undef AT
+#undef NEXT_BLOCK
 }
 
 static void run_unit(const int8_t *xq, const int32_t *comp, const float *sx, int64_t K,
                      int64_t ag, const uint8_t *w, const float *sw, const float *bias,
                      int64_t b, int nblocks, void *y, int64_t y_stride, int y_bf16,
-                     int64_t r0, int64_t r1, int grouped) {
+                     int64_t r0, int64_t r1, int grouped, const uint8_t *next,
+                     int64_t next_blocks) {
     if (grouped)
         run_blocks(xq, comp, sx, K, ag, w, sw, bias, b, nblocks, y, y_stride, y_bf16, r0, r1,
-                   1);
+                   1, next, next_blocks);
     else
         run_blocks(xq, comp, sx, K, ag, w, sw, bias, b, nblocks, y, y_stride, y_bf16, r0, r1,
-                   0);
+                   0, next, next_blocks);
 }
 
 static void gemm(const int8_t *xq, const int32_t *comp, const float *sx, int64_t T,
@@ -543,13 +573,18 @@ static void gemm(const int8_t *xq, const int32_t *comp, const float *sx, int64_t
                  int64_t N, int grouped, void *y, int64_t y_stride, int y_bf16,
                  int64_t num_threads) {
     const int64_t nb = N / CB, triples = nb / 3, units = triples + nb % 3;
+    /* unit v's first block and its blocks */
+#define FIRST_BLOCK(v) ((v) < triples ? 3 * (v) : 3 * triples + ((v) - triples))
+#define UNIT_BLOCKS(v) ((v) < triples ? 3 : 1)
     EACH_UNIT_AND_ROW_CHUNK(units, T, num_threads,
-        if (u < triples)
-            run_unit(xq, comp, sx, K, ag, w, sw, bias, 3 * u, 3, y, y_stride, y_bf16, r0, r1,
-                     grouped);
-        else
-            run_unit(xq, comp, sx, K, ag, w, sw, bias, 3 * triples + (u - triples), 1, y,
-                     y_stride, y_bf16, r0, r1, grouped);)
+        /* the thread's next unit, in this row chunk */
+        const int has_next = u + 1 < u1 && (T) <= PREFETCH_ROWS;
+        run_unit(xq, comp, sx, K, ag, w, sw, bias, FIRST_BLOCK(u), (int)UNIT_BLOCKS(u), y,
+                 y_stride, y_bf16, r0, r1, grouped,
+                 has_next ? w + FIRST_BLOCK(u + 1) * K * CB : NULL,
+                 has_next ? UNIT_BLOCKS(u + 1) : 0);)
+#undef FIRST_BLOCK
+#undef UNIT_BLOCKS
 }
 
 #else /* the generic loops */
