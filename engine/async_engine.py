@@ -49,17 +49,25 @@ class StreamTable:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._streams: dict[str, _Stream] = {}
+        # What fail_all ended every stream with: a stream opened after it gets the same
+        # (the engine died between a caller's check and its open).
+        self._failed: BaseException | None = None
 
     def __contains__(self, request_id: object) -> bool:
         with self._lock:
             return request_id in self._streams
 
     def open(self, request_id: str) -> _Stream:
-        """A stream for `request_id` on the running loop; ValueError if one is open."""
+        """A stream for `request_id` on the running loop; ValueError if one is open. After
+        fail_all, a stream that already holds fail_all's error."""
         stream = _Stream(loop=asyncio.get_running_loop())
         with self._lock:
             if request_id in self._streams:
                 raise ValueError(f"duplicate request id {request_id!r}")
+            if self._failed is not None:
+                stream.finished = True
+                stream.queue.put_nowait(self._failed)
+                return stream
             self._streams[request_id] = stream
         return stream
 
@@ -94,10 +102,11 @@ class StreamTable:
                 loop.call_soon_threadsafe(_put_all, items)
 
     def fail_all(self, exc: BaseException) -> None:
-        """End every open stream with `exc`."""
+        """End every open stream, and any opened later, with `exc`."""
         with self._lock:
             streams = list(self._streams.values())
             self._streams.clear()
+            self._failed = exc
         for stream in streams:
             stream.finished = True
             with contextlib.suppress(RuntimeError):

@@ -490,11 +490,12 @@ class ProcessEngine(TokenizingClient, RunsItsOwnRequests):
         if self._stopping:
             raise EngineDeadError("engine is shutting down")
         request_id = request.request_id
+        # NOTE: no check of self._failure after the send. The engine may fail meanwhile on
+        # this very request's step, and then its own error (delivered before the engine's
+        # death) is what the caller must get. If it died before the open, the stream holds
+        # the death already (StreamTable.fail_all); after it, fail_all ends it.
         stream = self._streams.open(request_id)
         self._send(("add", request))
-        if self._failure is not None:  # failed meanwhile: the reader may have missed it
-            self._streams.close(request_id)
-            raise EngineDeadError.failed(self._failure)
         try:
             async for item in read_stream(stream):
                 yield item

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from engine.async_engine import AsyncEngine, EngineDeadError
+from engine.async_engine import AsyncEngine, EngineDeadError, StreamTable, read_stream
 from engine.client import EngineStepError
 from engine.config import EngineConfig
 from engine.core.engine_core import EngineCore
@@ -180,6 +180,26 @@ def test_a_broken_device_fails_the_engine_for_good(
             await one("r3")
         assert engine.stats().num_step_failures == 2
         await engine.shutdown()
+
+    asyncio.run(scenario())
+
+
+def test_a_stream_opened_after_the_engine_died_ends_with_its_death() -> None:
+    """The engine can die between a caller's check and the open of its stream (the engine
+    process's generate sends the request after the open and checks nothing after, so that
+    a request whose own step killed the engine gets its own error): a stream opened after
+    fail_all ends with fail_all's error at once instead of waiting for ever; one opened
+    before ends with it too."""
+
+    async def scenario() -> None:
+        table = StreamTable()
+        live = table.open("before")
+        table.fail_all(EngineDeadError("engine failed: gone"))
+        late = table.open("after")
+        assert late.finished and "after" not in table and "before" not in table
+        for stream in (live, late):
+            with pytest.raises(EngineDeadError, match="gone"):
+                await asyncio.wait_for(anext(read_stream(stream)), timeout=5)
 
     asyncio.run(scenario())
 
