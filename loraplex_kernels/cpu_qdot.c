@@ -339,6 +339,12 @@ DEFINE_TILE(1, 1)
    the noise resolved. */
 #define PREFETCH_ROWS 64
 
+/* What the row tile at row r fetches, in wide_unit and run_blocks (r0: the first row they
+   run; next, next_blocks: the thread's next unit, wstride bytes a block): the tile t =
+   (r - r0) / 4 fetches block t of the next unit, if there is one; NULL otherwise. */
+#define NEXT_BLOCK(r)                                                                       \
+    (((r) - r0) / 4 < next_blocks ? next + ((r) - r0) / 4 * wstride : NULL)
+
 /* Rows [r, r1) in tiles of 4, 2 and 1 rows (T4, T2, T1 called with AT(row)). */
 #define ROW_TILES(T4, T2, T1)                                                               \
     for (; r + 4 <= r1; r += 4) T4(AT(r));                                                  \
@@ -477,7 +483,6 @@ static void wide_unit(const int8_t *xh, const int8_t *xl, const int32_t *hsum,
     const size_t out_size = y_bf16 ? sizeof(bf16_t) : sizeof(float);
     const float *bb = bias != NULL ? bias + b * CB : NULL;
     int64_t r = r0;
-#define NEXT_BLOCK(r) ((r) - r0) / 4 < next_blocks ? next + ((r) - r0) / 4 * wstride : NULL
 #define AT(r) xh + (r) * K, xl + (r) * K, hsum + (r), lsum + (r), sx + (r), K, wb, wstride,  \
               colsum + b * CB, sw + b * CB, bb,                                             \
               (char *)y + ((r) * y_stride + b * CB) * (int64_t)out_size, y_stride, y_bf16,  \
@@ -488,7 +493,6 @@ static void wide_unit(const int8_t *xh, const int8_t *xl, const int32_t *hsum,
         ROW_TILES(wide_4x1, wide_2x1, wide_1x1)
     }
 #undef AT
-#undef NEXT_BLOCK
 }
 
 /* Grouped: rows [r0, r1) against block b (one block a unit); the first row tile fetches
@@ -542,7 +546,6 @@ static inline __attribute__((always_inline)) void run_blocks(
     const float *swb = sw + b * (grouped ? G * CB : CB), *bb = bias != NULL ? bias + b * CB : NULL;
     const size_t out_size = y_bf16 ? sizeof(bf16_t) : sizeof(float);
     int64_t r = r0;
-#define NEXT_BLOCK(r) ((r) - r0) / 4 < next_blocks ? next + ((r) - r0) / 4 * wstride : NULL
 #define AT(r) xq + (r) * K, comp + (r) * G, sx + (r) * G, K, ag, wb, wstride, swb, bb,       \
               (char *)y + ((r) * y_stride + b * CB) * (int64_t)out_size, y_stride, y_bf16,  \
               grouped, NEXT_BLOCK(r)
@@ -552,7 +555,6 @@ static inline __attribute__((always_inline)) void run_blocks(
         ROW_TILES(tile_4x1, tile_2x1, tile_1x1)
     }
 #undef AT
-#undef NEXT_BLOCK
 }
 
 static void run_unit(const int8_t *xq, const int32_t *comp, const float *sx, int64_t K,
